@@ -1,0 +1,219 @@
+"""Lag signals of attention fields (METHOD.md section 2) and the lag-band storage layout.
+
+The lag is the BACKWARD lag ``tau = i - j >= 0``: how far back query ``i`` looks. The lag signal
+of row ``i`` is ``d_i(tau) = A[i, i - tau]`` for ``0 <= tau <= i`` and 0 otherwise. (Reading
+``A[i, i + tau]`` instead, as the published code does, reads the all-zero masked triangle of a
+causal matrix.) Bidirectional fields add the forward half ``A[i, i + tau]`` as a second
+one-sided signal.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+from torch import Tensor
+
+
+@lru_cache(maxsize=16)
+def _lag_gather_index(seq_len: int, forward: bool) -> tuple[Tensor, Tensor]:
+    """Flat gather index and validity mask mapping (i, tau) -> (i, i -/+ tau).
+
+    Returns:
+        index: (L * L,) int64 flat indices into an (L, L) matrix, row-major over (i, tau).
+        valid: (L * L,) bool, False where the lag leaves the matrix.
+    """
+    i = torch.arange(seq_len).unsqueeze(1)  # (L, 1)
+    tau = torch.arange(seq_len).unsqueeze(0)  # (1, L)
+    j = i + tau if forward else i - tau  # (L, L)
+    valid = (j >= 0) & (j < seq_len)
+    j = j.clamp(0, seq_len - 1)
+    return (i * seq_len + j).reshape(-1), valid.reshape(-1)
+
+
+def lag_signals(fields: Tensor, *, forward: bool = False) -> Tensor:
+    """Backward (default) or forward lag signals of every row.
+
+    Args:
+        fields: (..., L, L) attention fields, rows are queries.
+        forward: read ``A[i, i + tau]`` (the forward half of a bidirectional field) instead of
+            the backward lag ``A[i, i - tau]``.
+
+    Returns:
+        (..., L, L) tensor ``D`` with ``D[..., i, tau] = A[..., i, i - tau]`` (zero where the lag
+        leaves the matrix).
+    """
+    seq_len = fields.shape[-1]
+    index, valid = _lag_gather_index(seq_len, forward)
+    index = index.to(fields.device)
+    valid = valid.to(fields.device)
+    flat = fields.reshape(*fields.shape[:-2], seq_len * seq_len)
+    out = flat[..., index]
+    out.masked_fill_(~valid, 0)
+    return out.reshape(fields.shape)
+
+
+def lag_moment(signals: Tensor, *, n_blocks: int = 8) -> Tensor:
+    """Second moment ``R = sum_{s, i} d_{s,i} d_{s,i}^T`` of one-sided lag signals.
+
+    Uses the triangular support of backward lag signals (row ``i`` is zero beyond lag ``i``): row
+    block ``r`` only touches the leading ``k_r x k_r`` corner of R, which saves about 60% of the
+    flops of one dense ``D^T D``.
+
+    Args:
+        signals: (B, L, L) lag signals ``D[s, i, tau]`` with ``D[s, i, tau] = 0`` for ``tau > i``
+            (backward signals; pass forward signals with their rows reversed).
+
+    Returns:
+        (L, L) symmetric moment matrix in the dtype of ``signals``.
+    """
+    n_snap, seq_len, _ = signals.shape
+    out = signals.new_zeros(seq_len, seq_len)
+    block = max(1, math.ceil(seq_len / n_blocks))
+    for start in range(0, seq_len, block):
+        stop = min(seq_len, start + block)
+        rows = signals[:, start:stop, :stop].reshape(-1, stop)  # (B * rows, k)
+        out[:stop, :stop] += rows.T @ rows
+    return out
+
+
+@dataclass(frozen=True)
+class LagBand:
+    """Lag-major layout of the entries of an (L, L) field whose lag ``|i - j|`` is below ``n_lags``.
+
+    Entries are ordered by lag: all entries of lag 0 (the diagonal), then lag 1 (backward
+    ``(i, i - 1)``, then forward ``(i, i + 1)`` for bidirectional fields), and so on. Restricting
+    to lags below ``T <= n_lags`` is therefore the contiguous prefix ``[:offsets[T]]``.
+
+    Attributes:
+        seq_len: L.
+        n_lags: number of stored lags (lags 0 .. n_lags - 1).
+        causal: whether only backward lags are stored.
+        flat_index: (P,) int64 indices into a flattened (L * L) field.
+        rows, cols: (P,) int64 query and key positions of each stored entry.
+        lag: (P,) int64 signed lag ``i - j`` of each entry.
+        offsets: (n_lags + 1,) int64, entries with ``|lag| < T`` are ``[:offsets[T]]``.
+    """
+
+    seq_len: int
+    n_lags: int
+    causal: bool
+    flat_index: Tensor
+    rows: Tensor
+    cols: Tensor
+    lag: Tensor
+    offsets: Tensor
+
+    @property
+    def size(self) -> int:
+        """P, the number of stored entries per snapshot."""
+        return int(self.flat_index.numel())
+
+    def prefix(self, n_lags: int) -> int:
+        """Number of leading entries whose lag magnitude is below ``n_lags``."""
+        return int(self.offsets[min(max(n_lags, 0), self.n_lags)])
+
+    def extract(self, fields: Tensor) -> Tensor:
+        """(B, L, L) fields -> (B, P) band entries."""
+        flat = fields.reshape(fields.shape[0], -1)
+        return flat[:, self.flat_index.to(fields.device)]
+
+    def to_dense(self, band: Tensor) -> Tensor:
+        """(B, P') band entries (any prefix P' <= P) -> (B, L, L) fields, zero off the band."""
+        n_snap, width = band.shape
+        out = band.new_zeros(n_snap, self.seq_len * self.seq_len)
+        out[:, self.flat_index[:width].to(band.device)] = band
+        return out.reshape(n_snap, self.seq_len, self.seq_len)
+
+    @staticmethod
+    def build(seq_len: int, n_lags: int, causal: bool) -> LagBand:
+        n_lags = max(1, min(int(n_lags), seq_len))
+        rows, cols, lags, offsets = [], [], [], [0]
+        for tau in range(n_lags):
+            i = torch.arange(tau, seq_len)
+            rows.append(i)
+            cols.append(i - tau)
+            lags.append(torch.full_like(i, tau))
+            if not causal and tau > 0:
+                i = torch.arange(0, seq_len - tau)
+                rows.append(i)
+                cols.append(i + tau)
+                lags.append(torch.full_like(i, -tau))
+            offsets.append(offsets[-1] + (seq_len - tau) * (1 if causal or tau == 0 else 2))
+        r = torch.cat(rows)
+        c = torch.cat(cols)
+        return LagBand(
+            seq_len=seq_len,
+            n_lags=n_lags,
+            causal=causal,
+            flat_index=r * seq_len + c,
+            rows=r,
+            cols=c,
+            lag=torch.cat(lags),
+            offsets=torch.tensor(offsets, dtype=torch.int64),
+        )
+
+
+def window_support(scale: float, kind: str, tol: float) -> float:
+    """Largest lag at which the lag window of ``scale`` is still >= ``tol`` (inf for tol = 0)."""
+    if tol <= 0:
+        return math.inf
+    width = math.sqrt(2.0 * math.log(1.0 / tol))
+    if kind == "lowpass":
+        return scale * width
+    if kind == "band":
+        return scale + 0.5 * scale * width
+    raise ValueError(f"unknown window kind {kind!r}")
+
+
+def lag_window(lags: Tensor, scale: float, kind: str) -> Tensor:
+    """Lag window w(tau) at scale a* (METHOD.md section 4).
+
+    Args:
+        lags: (...,) lags tau (signed lags use |tau|: a bidirectional field is windowed
+            symmetrically).
+        scale: a*.
+        kind: "lowpass" ``exp(-tau^2 / (2 a*^2))`` or "band" ``exp(-(tau - a*)^2 / (2 (a*/2)^2))``.
+    """
+    tau = lags.abs().to(torch.float64)
+    if kind == "lowpass":
+        return torch.exp(-(tau**2) / (2.0 * scale**2))
+    if kind == "band":
+        return torch.exp(-((tau - scale) ** 2) / (2.0 * (0.5 * scale) ** 2))
+    raise ValueError(f"unknown window kind {kind!r}")
+
+
+def mean_attention_distance(mean_field: Tensor) -> float:
+    """``sum_j A[i, j] |i - j|`` averaged over rows, for the (L, L) mean field.
+
+    The quantity is linear in A, so its mean over snapshots is the value of the mean field.
+    """
+    seq_len = mean_field.shape[-1]
+    pos = torch.arange(seq_len, device=mean_field.device, dtype=mean_field.dtype)
+    dist = (pos.unsqueeze(1) - pos.unsqueeze(0)).abs()
+    return float((mean_field * dist).sum(-1).mean())
+
+
+def row_entropy(fields: Tensor, causal: bool) -> tuple[Tensor, Tensor]:
+    """Row entropy normalised by the log of the number of keys of each row.
+
+    Args:
+        fields: (B, L, L) non-negative attention probabilities.
+        causal: row ``i`` has ``i + 1`` keys if True, else L.
+
+    Returns:
+        sums: (L,) sum over the B snapshots of each row's normalised entropy (0 for rows with a
+            single key, which have no entropy to normalise).
+        valid: (L,) bool, rows with at least two keys.
+    """
+    seq_len = fields.shape[-1]
+    p = fields.clamp_min(0)
+    h = -torch.special.xlogy(p, p).sum(-1)  # (B, L)
+    n_keys = torch.arange(1, seq_len + 1, device=fields.device) if causal else torch.full(
+        (seq_len,), seq_len, device=fields.device
+    )
+    valid = n_keys >= 2
+    norm = torch.log(n_keys.to(fields.dtype).clamp_min(2))
+    return (h / norm).sum(0) * valid, valid

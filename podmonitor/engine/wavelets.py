@@ -1,0 +1,147 @@
+"""Analytic Morlet wavelet transform along the lag and the scalogram (METHOD.md section 3).
+
+The transform is applied by FFT with the signal zero-padded to 2L::
+
+    psihat_a(f) = sqrt(2 pi a) exp(-(2 pi f a - omega0)^2 / 2)   for f > 0, else 0
+    W(a, .)     = IFFT(X * conj(psihat_a))[0:L],  X = FFT(pad(x, 2L)),  f = fftfreq(2L)
+
+It is the same wavelet as pywt's ``cmor2.0-0.7958`` (bandwidth 2, centre frequency
+omega0 / 2 pi) up to one constant factor.
+
+The ensemble mean of ``|W|^2`` is a quadratic form of the lag second moment
+``R = sum_{s,i} d_{s,i} d_{s,i}^T``: ``S(a, t) = (K_a R K_a^H)[t, t] / n_rows`` with ``K_a`` the
+(L, L) matrix of the transform at scale a. The scalogram is therefore accumulated with O(L^2)
+state, whatever the number of snapshots.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+
+#: Memory for one group of transform matrices in :func:`scalogram_from_moment` (bytes).
+OPERATOR_BYTES = 64 * 2**20
+
+
+def morlet_psihat(scales: Tensor, n_fft: int, omega0: float = 5.0) -> Tensor:
+    """Fourier transform of the analytic Morlet at each scale.
+
+    Args:
+        scales: (S,) scales a.
+        n_fft: FFT length (2L).
+        omega0: centre frequency.
+
+    Returns:
+        (S, n_fft) real tensor, zero at f <= 0.
+    """
+    f = torch.fft.fftfreq(n_fft, dtype=scales.dtype, device=scales.device)  # (n_fft,)
+    a = scales.unsqueeze(-1)  # (S, 1)
+    psi = torch.sqrt(2.0 * math.pi * a) * torch.exp(-0.5 * (2.0 * math.pi * f * a - omega0) ** 2)
+    return psi * (f > 0)
+
+
+def cwt(signals: Tensor, scales: Tensor, omega0: float = 5.0) -> Tensor:
+    """Continuous wavelet transform of real signals along their last axis.
+
+    Args:
+        signals: (..., L) real signals.
+        scales: (S,) scales.
+
+    Returns:
+        (..., S, L) complex coefficients W(a, t).
+    """
+    seq_len = signals.shape[-1]
+    n_fft = 2 * seq_len
+    spectrum = torch.fft.fft(signals, n=n_fft)  # (..., 2L)
+    psi = morlet_psihat(scales.to(signals.real.dtype), n_fft, omega0).to(signals.device)  # (S, 2L)
+    coeffs = torch.fft.ifft(spectrum.unsqueeze(-2) * psi, dim=-1)  # conj(psi) = psi (real)
+    return coeffs[..., :seq_len]
+
+
+def cwt_operators(seq_len: int, scales: Tensor, omega0: float) -> Tensor:
+    """The (S, L, L) complex matrices K_a with ``W(a, :) = K_a @ x`` for real signals of length L.
+
+    Multiplying by ``conj(psihat)`` and inverting the FFT of length 2L is a circular convolution
+    with ``k_a = IFFT(psihat_a)``, so ``K_a[t, tau] = k_a[(t - tau) mod 2L]`` (Toeplitz).
+    """
+    n_fft = 2 * seq_len
+    kernel = torch.fft.ifft(morlet_psihat(scales, n_fft, omega0), dim=-1)  # (S, 2L)
+    pos = torch.arange(seq_len, device=scales.device)
+    index = (pos.unsqueeze(1) - pos.unsqueeze(0)) % n_fft  # (t, tau)
+    return kernel[:, index]
+
+
+def scalogram_from_moment(moment: Tensor, scales: Tensor, omega0: float, n_rows: float) -> Tensor:
+    """Ensemble-mean scalogram from the lag second moment.
+
+    Args:
+        moment: (L, L) symmetric ``R = sum over signals of d d^T``.
+        scales: (S,) scales.
+        omega0: Morlet centre frequency.
+        n_rows: number of signals the moment sums over (the mean divides by it).
+
+    Returns:
+        (S, L) real scalogram ``S(a, t) = (K_a R K_a^H)[t, t] / n_rows``.
+    """
+    seq_len = moment.shape[-1]
+    scales = scales.to(moment.dtype)
+    out = moment.new_zeros(len(scales), seq_len)
+    group = max(1, OPERATOR_BYTES // (16 * seq_len * seq_len))
+    for start in range(0, len(scales), group):
+        ops = cwt_operators(seq_len, scales[start:start + group], omega0)  # (g, L, L) complex
+        # diag(K R K^H) = rowsum((K R) * conj(K)) for real symmetric R: two real matrix
+        # products (real and imaginary parts) for a whole group of scales at once.
+        for part in (ops.real, ops.imag):
+            flat = part.reshape(-1, seq_len)  # (g * L, L)
+            out[start:start + group] += ((flat @ moment) * flat).sum(-1).reshape(-1, seq_len)
+    return out / max(n_rows, 1.0)
+
+
+def dominant_scale_indices(energy: Tensor, n_dominant: int, method: str) -> list[int]:
+    """Dominant scales of a scale-energy curve E(a).
+
+    Args:
+        energy: (S,) E(a) on the scale grid.
+        n_dominant: M.
+        method: "peaks": local maxima of E ranked by energy (an end of the grid counts when it
+            exceeds its one neighbour; on a plateau the first scale counts), at most M and fewer
+            if fewer maxima exist. "top": the M scales of largest energy.
+
+    Returns:
+        Indices into the grid, strongest first. Empty when E carries no energy.
+    """
+    e = energy.tolist()
+    if not e or max(e) <= 0 or not all(math.isfinite(x) for x in e):
+        return []
+    if method == "top":
+        order = sorted(range(len(e)), key=lambda k: -e[k])
+        return [k for k in order if e[k] > 0][:n_dominant]
+    if method != "peaks":
+        raise ValueError(f"unknown dominant-scale method {method!r}")
+    if len(e) == 1:
+        return [0]
+    last = len(e) - 1
+    peaks = []
+    for k, x in enumerate(e):
+        left_ok = k == 0 or x > e[k - 1]
+        if k == 0:
+            right_ok = x > e[1]  # an end counts only when it exceeds its one neighbour
+        elif k == last:
+            right_ok = True
+        else:
+            right_ok = x >= e[k + 1]  # on a plateau the first scale counts
+        if left_ok and right_ok and x > 0:
+            peaks.append(k)
+    peaks.sort(key=lambda k: -e[k])
+    return peaks[:n_dominant]
+
+
+def scale_centroid(energy: Tensor, scales: Tensor) -> float:
+    """Energy-weighted scale centroid ``exp(sum E log a / sum E)``; NaN without energy."""
+    total = float(energy.sum())
+    if not total > 0:
+        return float("nan")
+    return float(torch.exp((energy * torch.log(scales)).sum() / total))
