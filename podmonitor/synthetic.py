@@ -27,13 +27,15 @@ def lag_matrix(seq_len: int, dtype: torch.dtype = torch.float64) -> Tensor:
 class Oscillation:
     """A fluctuation of the lag signal: ``c * cos(2 pi tau / period) * exp(-(tau - lag)^2 / (2 width^2))``.
 
-    ``c`` is drawn per snapshot and per query row from N(0, amplitude^2).
+    ``c`` is drawn from N(0, amplitude^2) per snapshot and per query row (``per_row=True``) or
+    per snapshot only, shared by all rows (``per_row=False``: the pattern is then one POD mode).
     """
 
     period: float
     lag: float
     width: float
     amplitude: float = 1.0
+    per_row: bool = True
 
 
 def oscillation_ensemble(n_snapshots: int, seq_len: int, patterns: list[Oscillation], *,
@@ -57,7 +59,7 @@ def oscillation_ensemble(n_snapshots: int, seq_len: int, patterns: list[Oscillat
     for p in patterns:
         shape = torch.cos(2 * math.pi * tau / p.period) * torch.exp(-((tau - p.lag) ** 2) / (2 * p.width**2))
         shape = shape * mask
-        c = torch.randn(n_snapshots, seq_len, 1, generator=g, dtype=dtype) * p.amplitude
+        c = torch.randn(n_snapshots, seq_len if p.per_row else 1, 1, generator=g, dtype=dtype) * p.amplitude
         fields += c * shape
     return fields
 

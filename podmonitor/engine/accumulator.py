@@ -481,12 +481,10 @@ class PODAccumulator:
 
     def _coherency(self, scale: float) -> Tensor:
         assert self.band is not None and self.seq_len is not None
-        # The coherency is an image of ratios in [0, 1]: float32 (complex64) transforms are
-        # accurate to ~1e-6 there and halve the cost of the one CWT per row it needs.
-        acc = CoherencyAccumulator(self.seq_len, scale, self.config.omega0, torch.float32, self.device)
+        acc = CoherencyAccumulator(self.seq_len, scale, self.config.omega0, self.config.dtype, self.device)
         for chunk in self.chunks:
             for start in range(0, chunk.shape[0], 16):
-                acc.update(self.band.to_dense(chunk[start:start + 16].to(torch.float32)))
+                acc.update(self.band.to_dense(chunk[start:start + 16].to(self.config.dtype)))
         gamma = acc.compute()
         if self.band.n_lags < self.seq_len:
             pos = torch.arange(self.seq_len, device=gamma.device)

@@ -1,0 +1,126 @@
+"""Lag signals, lag moments, lag-band layout and the cheap per-layer statistics."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from podmonitor.engine.lags import (
+    LagBand,
+    lag_moment,
+    lag_signals,
+    lag_window,
+    mean_attention_distance,
+    row_entropy,
+    window_support,
+)
+from tests.conftest import literal_lag_signals, random_causal_fields
+
+
+def test_lag_signals_backward_matches_literal_definition(causal_fields):
+    a = causal_fields[:3]
+    got = lag_signals(a).numpy()
+    np.testing.assert_array_equal(got, literal_lag_signals(a.numpy()))
+
+
+def test_lag_signals_forward_matches_literal_definition():
+    a = torch.randn(2, 9, 9, dtype=torch.float64)
+    np.testing.assert_array_equal(lag_signals(a, forward=True).numpy(), literal_lag_signals(a.numpy(), forward=True))
+
+
+def test_published_forward_reading_of_causal_field_is_an_impulse(causal_fields):
+    # The published code reads A[i, i + tau]: on a causal field only tau = 0 survives, so every
+    # lag signal is an impulse. The backward lag keeps the attention mass at tau > 0.
+    fwd = lag_signals(causal_fields, forward=True)
+    assert torch.count_nonzero(fwd[..., 1:]) == 0
+    back = lag_signals(causal_fields)
+    off_diag_mass = back[..., 1:].sum() / back.sum()
+    assert off_diag_mass > 0.5
+
+
+def test_lag_moment_equals_dense_second_moment(causal_fields):
+    d = lag_signals(causal_fields)
+    dense = np.einsum("sit,siu->tu", d.numpy(), d.numpy())
+    for n_blocks in (1, 3, 8, 64):
+        np.testing.assert_allclose(lag_moment(d, n_blocks=n_blocks).numpy(), dense, rtol=1e-12, atol=1e-14)
+
+
+def test_lag_moment_forward_signals_with_reversed_rows():
+    a = torch.randn(3, 11, 11, dtype=torch.float64)
+    d = lag_signals(a, forward=True)
+    dense = np.einsum("sit,siu->tu", d.numpy(), d.numpy())
+    np.testing.assert_allclose(lag_moment(d.flip(1)).numpy(), dense, rtol=1e-12, atol=1e-14)
+
+
+def test_lag_band_layout_roundtrip_and_prefix():
+    seq_len = 10
+    for causal in (True, False):
+        band = LagBand.build(seq_len, n_lags=4, causal=causal)
+        expected_size = sum((seq_len - t) * (1 if causal or t == 0 else 2) for t in range(4))
+        assert band.size == expected_size
+        a = torch.randn(2, seq_len, seq_len, dtype=torch.float64)
+        stored = band.extract(a)
+        dense = band.to_dense(stored)
+        i = torch.arange(seq_len)
+        lag = i.unsqueeze(1) - i.unsqueeze(0)
+        inside = (lag >= 0) & (lag < 4) if causal else lag.abs() < 4
+        torch.testing.assert_close(dense[:, inside], a[:, inside], rtol=0, atol=0)
+        assert torch.count_nonzero(dense[:, ~inside]) == 0
+        # a prefix of the layout is exactly the entries of smaller lag
+        for t in range(1, 5):
+            width = band.prefix(t)
+            assert int(band.lag[:width].abs().max()) == t - 1
+            assert width == int(inside.logical_and(lag.abs() < t).sum())
+        # entries agree with their recorded positions and lags
+        torch.testing.assert_close(stored[0], a[0, band.rows, band.cols], rtol=0, atol=0)
+        assert torch.equal(band.lag, band.rows - band.cols)
+
+
+def test_lag_window_kinds_and_support():
+    tau = torch.arange(0, 200)
+    low = lag_window(tau, 8.0, "lowpass")
+    np.testing.assert_allclose(low.numpy(), np.exp(-(np.arange(200.0) ** 2) / (2 * 64.0)))
+    band = lag_window(tau, 8.0, "band")
+    np.testing.assert_allclose(band.numpy(), np.exp(-((np.arange(200.0) - 8) ** 2) / (2 * 16.0)))
+    assert int(band.argmax()) == 8
+    for kind in ("lowpass", "band"):
+        support = window_support(8.0, kind, 1e-8)
+        w = lag_window(tau, 8.0, kind)
+        assert bool((w[tau > support] < 1e-8).all())
+        assert float(w[int(support)]) >= 1e-8
+
+
+def test_mean_attention_distance_matches_literal_sum():
+    a = random_causal_fields(5, 12, seed=3)
+    lit = np.mean([[sum(a[s, i, j].item() * abs(i - j) for j in range(12)) for i in range(12)] for s in range(5)])
+    assert abs(mean_attention_distance(a.mean(0)) - lit) < 1e-12
+
+
+def test_mean_attention_distance_of_analytic_fields():
+    seq_len = 16
+    eye = torch.eye(seq_len, dtype=torch.float64)
+    assert mean_attention_distance(eye) == 0.0
+    uniform = torch.ones(seq_len, seq_len, dtype=torch.float64).tril()
+    uniform = uniform / uniform.sum(-1, keepdim=True)
+    # row i of uniform causal attention has mean distance i / 2
+    assert abs(mean_attention_distance(uniform) - np.mean(np.arange(seq_len) / 2)) < 1e-12
+
+
+def test_row_entropy_uniform_is_one_and_one_hot_is_zero():
+    seq_len = 8
+    uniform = torch.ones(seq_len, seq_len, dtype=torch.float64).tril()
+    uniform = (uniform / uniform.sum(-1, keepdim=True)).unsqueeze(0)
+    sums, valid = row_entropy(uniform, causal=True)
+    assert not bool(valid[0]) and bool(valid[1:].all())
+    torch.testing.assert_close(sums[1:], torch.ones(seq_len - 1, dtype=torch.float64))
+    one_hot = torch.eye(seq_len, dtype=torch.float64).unsqueeze(0)
+    sums, _ = row_entropy(one_hot, causal=True)
+    assert float(sums.abs().max()) == 0.0
+
+
+def test_row_entropy_matches_literal_formula():
+    a = random_causal_fields(3, 10, seed=4).numpy()
+    sums, _ = row_entropy(torch.from_numpy(a), causal=True)
+    for i in range(1, 10):
+        lit = sum(-np.sum(a[s, i, : i + 1] * np.log(a[s, i, : i + 1])) / np.log(i + 1) for s in range(3))
+        assert abs(float(sums[i]) - lit) < 1e-12

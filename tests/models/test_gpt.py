@@ -1,0 +1,258 @@
+"""Tests of the reference GPT: the monitored (explicit) path against the fused path,
+the materialised attention against the layer output, causality, MoPE, generation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from podmonitor.models.gpt import GPT, GPTConfig, MorletPositionalEncoding
+
+VARIANTS = [
+    dict(attention="softmax", pos_encoding="learned"),
+    dict(attention="softmax", pos_encoding="mope"),
+    dict(attention="ega", ega_gate="causal", pos_encoding="learned"),
+    dict(attention="ega", ega_gate="causal", pos_encoding="mope"),
+    dict(attention="ega", ega_gate="window", pos_encoding="learned"),
+    dict(attention="ega", ega_gate="window", pos_encoding="mope"),
+]
+IDS = ["-".join(str(v) for v in d.values()) for d in VARIANTS]
+
+
+def small_config(**kw: object) -> GPTConfig:
+    base: dict[str, object] = dict(
+        vocab_size=65, block_size=32, n_layer=3, n_head=4, n_embd=32, dropout=0.1
+    )
+    base.update(kw)
+    return GPTConfig(**base)  # type: ignore[arg-type]
+
+
+def perturbed(model: GPT, scale: float = 0.5, seed: int = 0) -> GPT:
+    """Move every parameter away from its (near-symmetric) init so attention is far from
+    uniform and EGA gates differ between keys; keeps MoPE's constrained parametrisation."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("gain"):
+                p.fill_(0.5)
+            elif p.dim() >= 2:
+                p.add_(torch.randn(p.shape, generator=g) * scale / math.sqrt(p.shape[-1]))
+            else:
+                p.add_(torch.randn(p.shape, generator=g) * 0.1)
+    return model
+
+
+def make_model(seed: int = 0, **kw: object) -> GPT:
+    torch.manual_seed(seed)
+    return perturbed(GPT(small_config(**kw)), seed=seed).eval()
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=IDS)
+def test_monitored_forward_equals_fused(variant: dict) -> None:
+    model = make_model(**variant)
+    idx = torch.randint(0, 65, (3, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits, loss = model(idx, idx)
+        logits_m, loss_m, atts = model(idx, idx, return_attention=True)
+    torch.testing.assert_close(logits_m, logits, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(loss_m, loss, atol=1e-6, rtol=1e-6)
+    assert len(atts) == model.config.n_layer
+    for a in atts:
+        assert a.dtype == torch.float32
+        assert a.shape == (3, 4, 32, 32)
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=IDS)
+def test_monitored_forward_equals_fused_float64(variant: dict) -> None:
+    """In float64 the two paths agree to rounding: they compute the same function."""
+    model = make_model(**variant).double()
+    idx = torch.randint(0, 65, (2, 32), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        logits, _ = model(idx)
+        logits_m, _, _ = model(idx, return_attention=True)
+    torch.testing.assert_close(logits_m, logits, atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=IDS)
+def test_attention_reproduces_fused_output(variant: dict) -> None:
+    """Recompute each layer's attention output as A @ V from the RETURNED attention and
+    the layer's own V, and compare with the fused-path output of an unmonitored forward."""
+    model = make_model(**variant)
+    idx = torch.randint(0, 65, (2, 32), generator=torch.Generator().manual_seed(3))
+    inputs: dict[int, torch.Tensor] = {}
+    outputs: dict[int, torch.Tensor] = {}
+    hooks = []
+    for l, block in enumerate(model.transformer.h):
+        def hook(mod, args, out, l=l):  # noqa: ANN001
+            inputs[l] = args[0].detach()
+            outputs[l] = out[0].detach()
+        hooks.append(block.attn.register_forward_hook(hook))
+    with torch.no_grad():
+        model(idx)  # fused path: hooks record each layer's input and output
+        fused_in, fused_out = dict(inputs), dict(outputs)
+        _, _, atts = model(idx, return_attention=True)
+    for h in hooks:
+        h.remove()
+    T = idx.size(1)
+    upper = torch.ones(T, T, dtype=torch.bool).triu(1)
+    for l, (block, a) in enumerate(zip(model.transformer.h, atts)):
+        torch.testing.assert_close(inputs[l], fused_in[l], atol=1e-6, rtol=1e-5)
+        _, _, v = block.attn.qkv(fused_in[l])  # (B, nh, T, hs)
+        y = block.attn.merge_heads(a @ v)  # (B, T, C)
+        torch.testing.assert_close(y, fused_out[l], atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(a.sum(-1), torch.ones(a.shape[:-1]), atol=1e-6, rtol=0)
+        assert torch.all(a[..., upper] == 0)
+        assert torch.all(a >= 0)
+
+
+def test_attention_is_not_trivial() -> None:
+    """Guard for the test above: the perturbed model's attention is neither uniform nor
+    the identity, so A @ V == fused output is a real check."""
+    model = make_model()
+    idx = torch.randint(0, 65, (2, 32), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        _, _, atts = model(idx, return_attention=True)
+    a = atts[0][0, 0]  # (T, T)
+    uniform = torch.ones(32, 32).tril() / torch.arange(1, 33).unsqueeze(1)
+    assert (a - uniform).abs().max() > 0.05
+    assert (a - torch.eye(32)).abs().max() > 0.05
+
+
+def test_attention_matches_naive_reference() -> None:
+    """Layer 0's returned attention equals a per-head loop written from the definition."""
+    model = make_model()
+    idx = torch.randint(0, 65, (2, 16), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        _, _, atts = model(idx, return_attention=True)
+        block = model.transformer.h[0]
+        x = model.transformer.wte(idx) + model.transformer.wpe(torch.arange(16))
+        x = block.ln_1(x)
+        W, b = block.attn.c_attn.weight, block.attn.c_attn.bias
+        C, nh = 32, 4
+        hs = C // nh
+        for bi in range(2):
+            for h in range(nh):
+                q = x[bi] @ W[h * hs : (h + 1) * hs].T + b[h * hs : (h + 1) * hs]
+                k = x[bi] @ W[C + h * hs : C + (h + 1) * hs].T + b[C + h * hs : C + (h + 1) * hs]
+                for i in range(16):
+                    s = torch.tensor([q[i] @ k[j] / math.sqrt(hs) for j in range(i + 1)])
+                    p = torch.exp(s - s.max())
+                    p = p / p.sum()
+                    torch.testing.assert_close(atts[0][bi, h, i, : i + 1], p, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("pos_encoding", ["learned", "mope"])
+def test_future_token_does_not_change_past_logits(pos_encoding: str) -> None:
+    model = make_model(pos_encoding=pos_encoding)
+    idx = torch.randint(0, 65, (2, 32), generator=torch.Generator().manual_seed(5))
+    t = 20
+    idx2 = idx.clone()
+    idx2[:, t] = (idx[:, t] + 7) % 65
+    with torch.no_grad():
+        a, _ = model(idx)
+        b, _ = model(idx2)
+    torch.testing.assert_close(a[:, :t], b[:, :t], atol=1e-6, rtol=0)
+    assert (a[:, t:] - b[:, t:]).abs().max() > 1e-3  # the change does propagate forward
+
+
+def test_init_loss_is_log_vocab_and_weights_tied() -> None:
+    torch.manual_seed(0)
+    model = GPT(small_config(dropout=0.0)).eval()
+    assert model.lm_head.weight is model.transformer.wte.weight
+    idx = torch.randint(0, 65, (4, 32))
+    targets = torch.randint(0, 65, (4, 32))
+    with torch.no_grad():
+        _, loss = model(idx, targets)
+    assert abs(loss.item() - math.log(65)) < 0.05
+    w = model.transformer.h[0].mlp.c_fc.weight
+    assert abs(w.std().item() - 0.02) < 0.002
+    w = model.transformer.h[0].mlp.c_proj.weight
+    assert abs(w.std().item() - 0.02 / math.sqrt(2 * 3)) < 0.002
+
+
+def test_optim_groups_decay_only_matrices() -> None:
+    model = GPT(small_config(attention="ega", pos_encoding="mope"))
+    decay, no_decay = model.optim_groups(0.1)
+    assert all(p.dim() >= 2 for p in decay["params"])
+    assert all(p.dim() < 2 for p in no_decay["params"])
+    n = sum(p.numel() for g in (decay, no_decay) for p in g["params"])
+    assert n == sum(p.numel() for p in model.parameters())  # tied weight counted once
+
+
+def test_presets() -> None:
+    paper = GPTConfig.paper()
+    assert (paper.n_layer, paper.n_head, paper.n_embd, paper.block_size) == (6, 8, 256, 256)
+    assert paper.mlp_ratio * paper.n_embd == 1024 and paper.dropout == 0.1
+    tiny = GPTConfig.tiny(attention="ega")
+    assert tiny.attention == "ega" and tiny.n_layer == 4
+    with pytest.raises(ValueError):
+        GPTConfig(n_embd=30, n_head=4)
+    with pytest.raises(ValueError):
+        GPTConfig(attention="linear")  # type: ignore[arg-type]
+
+
+def test_mope_constraint_holds_under_adversarial_optimisation() -> None:
+    """Gradient steps that push omega * sigma down (and omega up) cannot break
+    omega_i sigma_i >= 5."""
+    pe = MorletPositionalEncoding(n_embd=32, block_size=64)
+    omega, sigma = pe.omega_sigma()
+    assert torch.all(omega * sigma >= 5.0 * (1 - 1e-6))
+    opt = torch.optim.Adam(pe.parameters(), lr=0.5)
+    for _ in range(50):
+        omega, sigma = pe.omega_sigma()
+        loss = (omega * sigma).sum() + sigma.sum() - omega.sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    omega, sigma = pe.omega_sigma()
+    assert torch.all(torch.isfinite(omega)) and torch.all(torch.isfinite(sigma))
+    assert torch.all(omega * sigma >= 5.0 * (1 - 1e-6))
+    assert (omega * sigma).min() < 5.01  # the optimiser did reach the bound
+
+
+def test_mope_encoding_formula() -> None:
+    pe = MorletPositionalEncoding(n_embd=8, block_size=16)
+    with torch.no_grad():
+        pe.gain.fill_(1.0)
+        out = pe(16)  # (T, C)
+        omega, sigma = pe.omega_sigma()
+    assert out.shape == (16, 8)
+    t = torch.arange(16.0)
+    for i in range(4):
+        env = torch.exp(-(t**2) / (2 * sigma[i] ** 2))
+        torch.testing.assert_close(out[:, 2 * i], torch.cos(omega[i] * t) * env)
+        torch.testing.assert_close(out[:, 2 * i + 1], torch.sin(omega[i] * t) * env)
+    # log-spaced initial frequencies from 1 rad/token down to pi / block_size
+    torch.testing.assert_close(omega[0], torch.tensor(1.0))
+    torch.testing.assert_close(omega[-1], torch.tensor(math.pi / 16))
+
+
+def test_generate_shapes_and_range() -> None:
+    model = make_model()
+    idx = torch.zeros(2, 5, dtype=torch.long)
+    out = model.generate(idx, max_new_tokens=40, temperature=0.8, top_k=10)  # > block_size total
+    assert out.shape == (2, 45)
+    assert torch.equal(out[:, :5], idx)
+    assert out.min() >= 0 and out.max() < 65
+
+
+def test_training_mode_uses_dropout_and_grads_flow() -> None:
+    model = make_model(attention="ega", pos_encoding="mope").train()
+    idx = torch.randint(0, 65, (2, 32))
+    _, loss = model(idx, idx)
+    loss.backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), name
+    # dropout active: two training forwards differ
+    with torch.no_grad():
+        a, _ = model(idx)
+        b, _ = model(idx)
+    assert not torch.allclose(a, b)
+    # the cross-entropy helper is the plain mean over tokens
+    model.eval()
+    with torch.no_grad():
+        logits, loss = model(idx, idx)
+    torch.testing.assert_close(loss, F.cross_entropy(logits.reshape(-1, 65), idx.reshape(-1)))
