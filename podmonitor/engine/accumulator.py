@@ -384,7 +384,7 @@ class PODAccumulator:
         elif n < cfg.min_snapshots:
             status = "too_few_snapshots"
             messages.append(f"{n} snapshot(s): the POD needs at least {cfg.min_snapshots}")
-        elif not float(energy.sum()) > 0:
+        elif not float(energy.sum()) > self._rounding_floor(mean_energy):
             status = "zero_variance"
             messages.append("all snapshots are identical: the fluctuation field is zero")
         else:
@@ -432,6 +432,11 @@ class PODAccumulator:
             config=cfg.to_dict(),
             messages=messages,
         )
+
+    def _rounding_floor(self, mean_energy: Tensor) -> float:
+        """Fluctuation energy indistinguishable from rounding of the mean (relative (100 eps)^2)."""
+        eps = torch.finfo(self.config.dtype).eps
+        return float(mean_energy.sum()) * (100 * eps) ** 2
 
     def _band_mean(self) -> Tensor:
         """(P,) the mean field in lag-band layout."""

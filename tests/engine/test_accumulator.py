@@ -1,0 +1,167 @@
+"""Incremental accumulation == one-shot analysis; persistence; merging; memory budget."""
+
+from __future__ import annotations
+
+import io
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from podmonitor import MemoryBudgetError, PODAccumulator, PODConfig, analyze, estimate_memory
+from podmonitor.synthetic import Oscillation, oscillation_ensemble
+from tests.conftest import random_causal_fields
+
+CFG = PODConfig(n_dominant=3)
+
+
+def assert_reports_equal(a, b, rtol=1e-9):
+    assert a.status == b.status
+    assert a.n_snapshots == b.n_snapshots
+    assert a.dominant_scales == b.dominant_scales
+    torch.testing.assert_close(a.scalogram, b.scalogram, rtol=rtol, atol=1e-15)
+    torch.testing.assert_close(a.mean_scalogram, b.mean_scalogram, rtol=rtol, atol=1e-15)
+    torch.testing.assert_close(a.mean_field, b.mean_field, rtol=rtol, atol=1e-15)
+    assert math.isclose(a.entropy, b.entropy, rel_tol=1e-12)
+    assert math.isclose(a.mean_attention_distance, b.mean_attention_distance, rel_tol=1e-12)
+    for sa, sb in zip(a.per_scale, b.per_scale, strict=True):
+        lam1 = float(sa.eigenvalues[0])
+        torch.testing.assert_close(sa.eigenvalues, sb.eigenvalues, rtol=rtol, atol=1e-12 * lam1)
+        assert sa.effective_rank == sb.effective_rank
+        assert math.isclose(sa.t_spec, sb.t_spec, rel_tol=1e-8)
+        # modes with distinct eigenvalues are unique up to sign, and signs are fixed
+        k = 3
+        torch.testing.assert_close(sa.mode_lag_profiles[:k], sb.mode_lag_profiles[:k], rtol=1e-6, atol=1e-9)
+    if a.coherency is not None:
+        torch.testing.assert_close(a.coherency, b.coherency, rtol=1e-7, atol=1e-9, equal_nan=True)
+
+
+@pytest.fixture(scope="module")
+def fields():
+    return oscillation_ensemble(40, 48, [Oscillation(6.0, 8.0, 8.0, 0.03), Oscillation(16.0, 20.0, 16.0, 0.03)], seed=0)
+
+
+@pytest.fixture(scope="module")
+def reference(fields):
+    return analyze(fields, CFG)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(cuts=st.lists(st.integers(min_value=1, max_value=39), max_size=6, unique=True))
+def test_incremental_equals_one_shot(fields, reference, cuts):
+    bounds = [0, *sorted(cuts), 40]
+    acc = PODAccumulator(CFG)
+    for lo, hi in zip(bounds, bounds[1:]):
+        acc.update(fields[lo:hi])
+    assert_reports_equal(acc.compute(), reference)
+
+
+def test_single_snapshots_numpy_and_float32_storage(fields, reference):
+    acc = PODAccumulator(CFG)
+    for s in range(40):
+        acc.update(fields[s].numpy())  # one (L, L) numpy field at a time
+    assert_reports_equal(acc.compute(), reference)
+
+
+def test_state_dict_round_trip_then_continue(fields, reference):
+    acc = PODAccumulator(CFG)
+    acc.update(fields[:17])
+    buf = io.BytesIO()
+    torch.save(acc.state_dict(), buf)
+    buf.seek(0)
+    restored = PODAccumulator(CFG)
+    restored.load_state_dict(torch.load(buf, weights_only=True))
+    restored.update(fields[17:])
+    assert_reports_equal(restored.compute(), reference)
+
+
+def test_state_dict_rejects_other_config(fields):
+    acc = PODAccumulator(CFG)
+    acc.update(fields[:5])
+    other = PODAccumulator(PODConfig(n_dominant=2))
+    with pytest.raises(ValueError, match="different PODConfig"):
+        other.load_state_dict(acc.state_dict())
+
+
+def test_merge_equals_one_accumulator_over_both_halves(fields, reference):
+    left, right = PODAccumulator(CFG), PODAccumulator(CFG)
+    left.update(fields[:13])
+    right.update(fields[13:25])
+    right.update(fields[25:])
+    merged = left.merge(right)
+    assert merged is left
+    assert_reports_equal(merged.compute(), reference)
+    # merging into an empty accumulator
+    empty = PODAccumulator(CFG)
+    full = PODAccumulator(CFG)
+    full.update(fields)
+    assert_reports_equal(empty.merge(full).compute(), reference)
+
+
+def test_merge_rejects_mismatch(fields):
+    a, b = PODAccumulator(CFG), PODAccumulator(CFG)
+    a.update(fields[:5])
+    b.update(random_causal_fields(5, 32))
+    with pytest.raises(ValueError, match="L = 48 and L = 32"):
+        a.merge(b)
+    c = PODAccumulator(PODConfig())
+    c.update(fields[:5])
+    with pytest.raises(ValueError, match="different PODConfig"):
+        a.merge(c)
+
+
+def test_memory_budget_refuses_without_losing_data(fields):
+    per_snapshot = estimate_memory(48, 1, CFG)["state"] - estimate_memory(48, 0, CFG)["state"]
+    budget = estimate_memory(48, 10, CFG)["state"] + per_snapshot // 2
+    acc = PODAccumulator(PODConfig(n_dominant=3, memory_budget_bytes=budget))
+    acc.update(fields[:10])
+    assert acc.nbytes() == estimate_memory(48, 10, CFG)["state"]
+    with pytest.raises(MemoryBudgetError, match="budget"):
+        acc.update(fields[10:12])
+    assert acc.n == 10  # nothing lost, nothing half-added
+    ref = analyze(fields[:10], CFG)
+    assert_reports_equal(acc.compute(), ref)
+
+
+def test_band_storage_holds_only_lags_with_window_weight():
+    # L = 512 with the default grid (largest scale 64, lowpass, tol 1e-8): lags up to 64 * 6.07
+    acc = PODAccumulator(PODConfig())
+    acc.update(random_causal_fields(2, 512, seed=1))
+    expected_lags = int(64 * math.sqrt(2 * math.log(1e8))) + 1
+    assert acc.band.n_lags == expected_lags
+    assert acc.band.size == sum(512 - t for t in range(expected_lags))
+    assert acc.band.size < 512 * 513 // 2
+
+
+def test_update_cost_does_not_depend_on_snapshots_seen(monkeypatch):
+    # update() touches only the new batch: count the floating-point work of the matrix
+    # products it runs (not a timing) after 5 and after 50 snapshots
+    import podmonitor.engine.accumulator as accmod
+
+    work = []
+    real = accmod.lag_moment
+
+    def counting(signals, **kw):
+        work.append(signals.numel())
+        return real(signals, **kw)
+
+    monkeypatch.setattr(accmod, "lag_moment", counting)
+    acc = PODAccumulator(PODConfig())
+    batch = random_causal_fields(5, 32, seed=2)
+    acc.update(batch)
+    first = sum(work)
+    for _ in range(9):
+        acc.update(batch)
+    work.clear()
+    acc.update(batch)
+    assert sum(work) == first
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda_matches_cpu(fields, reference):
+    acc = PODAccumulator(CFG)
+    acc.update(fields.cuda())
+    report = acc.compute()
+    assert_reports_equal(report, reference, rtol=1e-7)
