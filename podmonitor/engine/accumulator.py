@@ -486,10 +486,12 @@ class PODAccumulator:
 
     def _coherency(self, scale: float) -> Tensor:
         assert self.band is not None and self.seq_len is not None
-        acc = CoherencyAccumulator(self.seq_len, scale, self.config.omega0, self.config.dtype, self.device)
+        acc = CoherencyAccumulator(self.seq_len, scale, self.config.omega0, self.config.dtype, self.device,
+                                   causal=bool(self.causal))
+        sub = max(1, (64 * 2**20) // (8 * self.seq_len * self.seq_len))  # ~64 MiB per field block
         for chunk in self.chunks:
-            for start in range(0, chunk.shape[0], 16):
-                acc.update(self.band.to_dense(chunk[start:start + 16].to(self.config.dtype)))
+            for start in range(0, chunk.shape[0], sub):
+                acc.update(self.band.to_dense(chunk[start:start + sub].to(self.config.dtype)))
         gamma = acc.compute()
         if self.band.n_lags < self.seq_len:
             pos = torch.arange(self.seq_len, device=gamma.device)
