@@ -37,6 +37,9 @@ from .wavelets import dominant_scale_indices, scale_centroid, scalogram_from_mom
 
 STATE_VERSION = 1
 
+#: Size of one sub-batch of fields processed at a time by ``update`` (bytes).
+UPDATE_BYTES = 32 * 2**20
+
 
 class MemoryBudgetError(RuntimeError):
     """An update would make the accumulator's state exceed ``PODConfig.memory_budget_bytes``."""
@@ -229,18 +232,22 @@ class PODAccumulator:
         self.n_skipped_nonfinite += n_bad
         self.n_negative += int((x < 0).flatten(1).any(dim=1).sum())
 
-        # Chan et al. pairwise update of the mean field and the centred lag moments.
+        # Work through the batch in sub-batches of bounded size, so that the temporaries of an
+        # update stay small whatever the batch size (the result does not depend on the split).
         n_b = x.shape[0]
-        mean_b = x.mean(0)  # (L, L)
-        dev = x - mean_b
-        m2b_back = lag_moment(lag_signals(dev))
-        m2b_fwd = None if causal else lag_moment(lag_signals(dev, forward=True).flip(1))
-        del dev
-        self._combine(n_b, mean_b, m2b_back, m2b_fwd)
-
-        h_sum, _ = row_entropy(x, causal)
-        self.entropy_sum += h_sum
-        self.chunks.append(self.band.extract(x).to(s_dtype))
+        sub = max(1, UPDATE_BYTES // (x.element_size() * seq_len * seq_len))
+        for start in range(0, n_b, sub):
+            part = x[start:start + sub]
+            # Chan et al. pairwise update of the mean field and the centred lag moments.
+            mean_p = part.mean(0)  # (L, L)
+            dev = part - mean_p
+            m2p_back = lag_moment(lag_signals(dev))
+            m2p_fwd = None if causal else lag_moment(lag_signals(dev, forward=True).flip(1))
+            del dev
+            self._combine(part.shape[0], mean_p, m2p_back, m2p_fwd)
+            h_sum, _ = row_entropy(part, causal)
+            self.entropy_sum += h_sum
+            self.chunks.append(self.band.extract(part).to(s_dtype))
         return n_b
 
     def _combine(self, n_b: int, mean_b: Tensor, m2b_back: Tensor, m2b_fwd: Tensor | None) -> None:
@@ -488,7 +495,7 @@ class PODAccumulator:
         assert self.band is not None and self.seq_len is not None
         acc = CoherencyAccumulator(self.seq_len, scale, self.config.omega0, self.config.dtype, self.device,
                                    causal=bool(self.causal))
-        sub = max(1, (64 * 2**20) // (8 * self.seq_len * self.seq_len))  # ~64 MiB per field block
+        sub = max(1, UPDATE_BYTES // (4 * 8 * self.seq_len * self.seq_len))  # fields + 3 transforms
         for chunk in self.chunks:
             for start in range(0, chunk.shape[0], sub):
                 acc.update(self.band.to_dense(chunk[start:start + sub].to(self.config.dtype)))

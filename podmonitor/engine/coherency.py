@@ -16,7 +16,10 @@ import math
 import torch
 from torch import Tensor
 
-from .wavelets import cwt_operators
+from .wavelets import cwt, cwt_operators
+
+#: Above this length the transform uses FFTs instead of the Toeplitz matrix product.
+FFT_ABOVE = 512
 
 
 class CoherencyAccumulator:
@@ -35,8 +38,11 @@ class CoherencyAccumulator:
                  device: torch.device | str | None = None, causal: bool = False) -> None:
         self.seq_len = seq_len
         self.scale = float(scale)
+        self.omega0 = float(omega0)
         self.causal = causal
-        op = cwt_operators(seq_len, torch.tensor([float(scale)], dtype=dtype, device=device), omega0)[0]
+        self._scales = torch.tensor([float(scale)], dtype=dtype, device=device)
+        self._complex_dtype = torch.complex128 if dtype == torch.float64 else torch.complex64
+        op = cwt_operators(seq_len, self._scales, omega0)[0]
         self._op_re_t = op.real.T.contiguous()  # (L keys, L positions)
         self._op_im_t = op.imag.T.contiguous()
         self.cross_re = torch.zeros(seq_len, seq_len, dtype=dtype, device=device)
@@ -47,6 +53,12 @@ class CoherencyAccumulator:
     def _transform(self, fields: Tensor) -> tuple[Tensor, Tensor]:
         """(B, L, L) rows -> real and imaginary parts of W_i(a, j), each (B, L, L)."""
         n_snap, seq_len, _ = fields.shape
+        if seq_len > FFT_ABOVE:
+            # O(L^2 log L) per snapshot beats the O(L^3) matrix product at long lengths
+            w = torch.empty(n_snap, seq_len, seq_len, dtype=self._complex_dtype, device=fields.device)
+            for s in range(n_snap):
+                w[s] = cwt(fields[s], self._scales, self.omega0)[:, 0, :]
+            return w.real, w.imag
         if not self.causal:
             rows = fields.reshape(-1, seq_len)
             return ((rows @ self._op_re_t).reshape(fields.shape),

@@ -209,7 +209,7 @@ def row_entropy(fields: Tensor, causal: bool) -> tuple[Tensor, Tensor]:
         valid: (L,) bool, rows with at least two keys.
     """
     seq_len = fields.shape[-1]
-    p = fields.clamp_min(0)
+    p = fields.clamp_min(0) if bool((fields < 0).any()) else fields
     h = -torch.special.xlogy(p, p).sum(-1)  # (B, L)
     n_keys = torch.arange(1, seq_len + 1, device=fields.device) if causal else torch.full(
         (seq_len,), seq_len, device=fields.device

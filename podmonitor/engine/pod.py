@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 #: Target size of one centred, windowed block of snapshots (bytes).
-BLOCK_BYTES = 256 * 2**20
+BLOCK_BYTES = 64 * 2**20
 
 
 @dataclass

@@ -23,7 +23,7 @@ from torch import Tensor
 
 
 #: Memory for one group of transform matrices in :func:`scalogram_from_moment` (bytes).
-OPERATOR_BYTES = 64 * 2**20
+OPERATOR_BYTES = 16 * 2**20
 
 
 def morlet_psihat(scales: Tensor, n_fft: int, omega0: float = 5.0) -> Tensor:

@@ -189,3 +189,13 @@ def test_mean_field_scalogram_of_positive_mass_grows_with_scale():
     report = analyze(fields, PODConfig(coherency=False))
     e = report.mean_scale_energy
     assert int(e.argmax()) == len(e) - 1
+
+
+def test_coherency_fft_path_equals_matrix_path(monkeypatch):
+    import podmonitor.engine.coherency as coh
+
+    fields = random_causal_fields(6, 40, seed=12)
+    ref = analyze(fields, PODConfig(coherency_scale=6.0)).coherency
+    monkeypatch.setattr(coh, "FFT_ABOVE", 8)
+    fft = analyze(fields, PODConfig(coherency_scale=6.0)).coherency
+    torch.testing.assert_close(fft, ref, rtol=1e-9, atol=1e-12)
