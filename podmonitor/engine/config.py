@@ -82,7 +82,7 @@ class PODConfig:
             raise ValueError("PODConfig.scales must not be empty")
         if any(not math.isfinite(a) or a <= 0 for a in scales):
             raise ValueError(f"PODConfig.scales must be finite and positive, got {scales}")
-        if any(b <= a for a, b in zip(scales, scales[1:])):
+        if any(b <= a for a, b in zip(scales, scales[1:], strict=False)):
             raise ValueError("PODConfig.scales must be strictly increasing")
         if not self.omega0 > 0:
             raise ValueError(f"omega0 must be positive, got {self.omega0}")

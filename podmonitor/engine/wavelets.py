@@ -21,7 +21,6 @@ import math
 import torch
 from torch import Tensor
 
-
 #: Memory for one group of transform matrices in :func:`scalogram_from_moment` (bytes).
 OPERATOR_BYTES = 16 * 2**20
 

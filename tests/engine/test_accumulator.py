@@ -53,7 +53,7 @@ def reference(fields):
 def test_incremental_equals_one_shot(fields, reference, cuts):
     bounds = [0, *sorted(cuts), 40]
     acc = PODAccumulator(CFG)
-    for lo, hi in zip(bounds, bounds[1:]):
+    for lo, hi in zip(bounds, bounds[1:], strict=False):
         acc.update(fields[lo:hi])
     assert_reports_equal(acc.compute(), reference)
 

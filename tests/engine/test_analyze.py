@@ -35,7 +35,7 @@ def test_planted_oscillations_are_the_dominant_scales(periods, lags):
     # each planted pattern sits at its lag: the scalogram row of its scale peaks where its
     # energy density, (rows reaching lag tau = L - tau) x envelope^2, peaks
     tau = np.arange(seq_len)
-    for p, lag in zip(periods, lags):
+    for p, lag in zip(periods, lags, strict=True):
         a = nearest_grid_scale(grid, PEAK_C * p / (2 * math.pi))
         row = report.scalogram[grid.index(a)]
         density = (seq_len - tau) * np.exp(-((tau - lag) ** 2) / (2 * p) ** 2)
