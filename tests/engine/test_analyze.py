@@ -25,7 +25,9 @@ def nearest_grid_scale(grid: list[float], a: float) -> float:
 @pytest.mark.parametrize(("periods", "lags"), [((6.0, 26.0), (10.0, 60.0)), ((9.0, 40.0), (20.0, 80.0))])
 def test_planted_oscillations_are_the_dominant_scales(periods, lags):
     seq_len = 160
-    patterns = [Oscillation(period=p, lag=lag, width=2 * p, amplitude=0.02) for p, lag in zip(periods, lags)]
+    patterns = [
+        Oscillation(period=p, lag=lag, width=2 * p, amplitude=0.02) for p, lag in zip(periods, lags, strict=True)
+    ]
     fields = oscillation_ensemble(60, seq_len, patterns, seed=1)
     report = analyze(fields, PODConfig(coherency=False))
     assert report.status == "ok"
