@@ -12,10 +12,22 @@ from .engine import (
 
 __version__ = "0.1.0.dev0"
 
+
+def __getattr__(name: str):
+    # The callback needs Lightning; import it only when asked, so the engine stays usable
+    # (and quick to import) without it.
+    if name in ("PODMonitor", "PODMonitorWarning"):
+        from . import callback
+
+        return getattr(callback, name)
+    raise AttributeError(f"module 'podmonitor' has no attribute {name!r}")
+
 __all__ = [
     "MemoryBudgetError",
     "PODAccumulator",
     "PODConfig",
+    "PODMonitor",
+    "PODMonitorWarning",
     "PODReport",
     "ScaleReport",
     "analyze",

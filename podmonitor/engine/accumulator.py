@@ -29,7 +29,16 @@ from torch import Tensor
 
 from .coherency import CoherencyAccumulator
 from .config import PODConfig
-from .lags import LagBand, lag_moment, lag_signals, lag_window, mean_attention_distance, row_entropy, window_support
+from .lags import (
+    LagBand,
+    lag_moment,
+    lag_signals,
+    lag_window,
+    max_above_diagonal,
+    mean_attention_distance,
+    row_entropy,
+    window_support,
+)
 from .pod import fix_signs, mode_lag_profiles, snapshot_pod
 from .report import PODReport, ScaleReport
 from .spectrum import effective_rank, spectral_fit
@@ -205,13 +214,13 @@ class PODAccumulator:
         seq_len = x.shape[1]
         device = self._device if self._device is not None else x.device
         x = x.to(device=device, dtype=self.config.dtype)
-        upper = torch.triu(x, diagonal=1).abs().amax() if seq_len > 1 else x.new_zeros(())
+        upper = max_above_diagonal(x)
         causal = self.causal
         if causal is None:
-            causal = bool(upper == 0)
+            causal = upper == 0
         elif causal and upper > 0:
             raise ValueError(
-                f"field has mass above the diagonal (max {float(upper):.3g}) but is treated as causal"
+                f"field has mass above the diagonal (max {upper:.3g}) but is treated as causal"
                 + (" (inferred from the first batch)" if self.config.causal is None else "")
                 + ": pass PODConfig(causal=False) for bidirectional attention"
             )
@@ -230,7 +239,9 @@ class PODAccumulator:
                     f"{self.n} snapshots are kept"
                 )
         self.n_skipped_nonfinite += n_bad
-        self.n_negative += int((x < 0).flatten(1).any(dim=1).sum())
+        negative = (x < 0).flatten(1).any(dim=1)
+        self.n_negative += int(negative.sum())
+        any_negative = bool(negative.any())
 
         # Work through the batch in sub-batches of bounded size, so that the temporaries of an
         # update stay small whatever the batch size (the result does not depend on the split).
@@ -241,11 +252,11 @@ class PODAccumulator:
             # Chan et al. pairwise update of the mean field and the centred lag moments.
             mean_p = part.mean(0)  # (L, L)
             dev = part - mean_p
-            m2p_back = lag_moment(lag_signals(dev))
+            m2p_back = lag_moment(lag_signals(dev, upper_is_zero=causal))
             m2p_fwd = None if causal else lag_moment(lag_signals(dev, forward=True).flip(1))
             del dev
             self._combine(part.shape[0], mean_p, m2p_back, m2p_fwd)
-            h_sum, _ = row_entropy(part, causal)
+            h_sum, _ = row_entropy(part, causal, has_negative=any_negative)
             self.entropy_sum += h_sum
             self.chunks.append(self.band.extract(part).to(s_dtype))
         return n_b

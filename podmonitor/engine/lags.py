@@ -18,41 +18,64 @@ from torch import Tensor
 
 
 @lru_cache(maxsize=16)
-def _lag_gather_index(seq_len: int, forward: bool) -> tuple[Tensor, Tensor]:
+def _lag_gather_index(seq_len: int, forward: bool, upper_is_zero: bool) -> tuple[Tensor, Tensor | None]:
     """Flat gather index and validity mask mapping (i, tau) -> (i, i -/+ tau).
 
     Returns:
         index: (L * L,) int64 flat indices into an (L, L) matrix, row-major over (i, tau).
-        valid: (L * L,) bool, False where the lag leaves the matrix.
+        invalid: (L * L,) bool, True where the lag leaves the matrix; None when those entries
+            already point at a zero (``upper_is_zero``: backward lags of a causal field read
+            the strict upper triangle ``(i, L - 1)`` instead, which is zero).
     """
     i = torch.arange(seq_len).unsqueeze(1)  # (L, 1)
     tau = torch.arange(seq_len).unsqueeze(0)  # (1, L)
     j = i + tau if forward else i - tau  # (L, L)
-    valid = (j >= 0) & (j < seq_len)
+    invalid = (j < 0) | (j >= seq_len)
+    if upper_is_zero and not forward:
+        j = torch.where(invalid, torch.full_like(j, seq_len - 1), j)  # invalid only for i < tau <= L-1
+        return (i * seq_len + j).reshape(-1), None
     j = j.clamp(0, seq_len - 1)
-    return (i * seq_len + j).reshape(-1), valid.reshape(-1)
+    return (i * seq_len + j).reshape(-1), invalid.reshape(-1)
 
 
-def lag_signals(fields: Tensor, *, forward: bool = False) -> Tensor:
+def lag_signals(fields: Tensor, *, forward: bool = False, upper_is_zero: bool = False) -> Tensor:
     """Backward (default) or forward lag signals of every row.
 
     Args:
         fields: (..., L, L) attention fields, rows are queries.
         forward: read ``A[i, i + tau]`` (the forward half of a bidirectional field) instead of
             the backward lag ``A[i, i - tau]``.
+        upper_is_zero: the caller guarantees that nothing lies above the diagonal (a causal
+            field); saves one pass over the data.
 
     Returns:
         (..., L, L) tensor ``D`` with ``D[..., i, tau] = A[..., i, i - tau]`` (zero where the lag
         leaves the matrix).
     """
     seq_len = fields.shape[-1]
-    index, valid = _lag_gather_index(seq_len, forward)
-    index = index.to(fields.device)
-    valid = valid.to(fields.device)
+    index, invalid = _lag_gather_index(seq_len, forward, upper_is_zero)
     flat = fields.reshape(*fields.shape[:-2], seq_len * seq_len)
-    out = flat[..., index]
-    out.masked_fill_(~valid, 0)
+    out = flat[..., index.to(fields.device)]
+    if invalid is not None:
+        out.masked_fill_(invalid.to(fields.device), 0)
     return out.reshape(fields.shape)
+
+
+@lru_cache(maxsize=16)
+def _upper_index(seq_len: int) -> Tensor:
+    """(L (L - 1) / 2,) flat indices of the strict upper triangle of an (L, L) matrix."""
+    rows, cols = torch.triu_indices(seq_len, seq_len, offset=1)
+    return rows * seq_len + cols
+
+
+def max_above_diagonal(fields: Tensor) -> float:
+    """Largest magnitude above the diagonal of (B, L, L) fields (0.0 for a causal field)."""
+    seq_len = fields.shape[-1]
+    if seq_len < 2:
+        return 0.0
+    upper = fields.reshape(fields.shape[0], -1)[:, _upper_index(seq_len).to(fields.device)]
+    lo, hi = torch.aminmax(upper)
+    return max(abs(float(lo)), abs(float(hi)))
 
 
 def lag_moment(signals: Tensor, *, n_blocks: int = 8) -> Tensor:
@@ -196,12 +219,13 @@ def mean_attention_distance(mean_field: Tensor) -> float:
     return float((mean_field * dist).sum(-1).mean())
 
 
-def row_entropy(fields: Tensor, causal: bool) -> tuple[Tensor, Tensor]:
+def row_entropy(fields: Tensor, causal: bool, has_negative: bool | None = None) -> tuple[Tensor, Tensor]:
     """Row entropy normalised by the log of the number of keys of each row.
 
     Args:
         fields: (B, L, L) non-negative attention probabilities.
         causal: row ``i`` has ``i + 1`` keys if True, else L.
+        has_negative: whether any entry is negative (negative entries are ignored); None = check.
 
     Returns:
         sums: (L,) sum over the B snapshots of each row's normalised entropy (0 for rows with a
@@ -209,7 +233,9 @@ def row_entropy(fields: Tensor, causal: bool) -> tuple[Tensor, Tensor]:
         valid: (L,) bool, rows with at least two keys.
     """
     seq_len = fields.shape[-1]
-    p = fields.clamp_min(0) if bool((fields < 0).any()) else fields
+    if has_negative is None:
+        has_negative = bool((fields < 0).any())
+    p = fields.clamp_min(0) if has_negative else fields
     h = -torch.special.xlogy(p, p).sum(-1)  # (B, L)
     n_keys = torch.arange(1, seq_len + 1, device=fields.device) if causal else torch.full(
         (seq_len,), seq_len, device=fields.device

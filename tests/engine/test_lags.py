@@ -124,3 +124,19 @@ def test_row_entropy_matches_literal_formula():
     for i in range(1, 10):
         lit = sum(-np.sum(a[s, i, : i + 1] * np.log(a[s, i, : i + 1])) / np.log(i + 1) for s in range(3))
         assert abs(float(sums[i]) - lit) < 1e-12
+
+
+def test_lag_signals_of_causal_field_without_mask_pass(causal_fields):
+    # the shortcut for fields with nothing above the diagonal gives the literal result
+    got = lag_signals(causal_fields[:2], upper_is_zero=True).numpy()
+    np.testing.assert_array_equal(got, literal_lag_signals(causal_fields[:2].numpy()))
+
+
+def test_max_above_diagonal():
+    from podmonitor.engine.lags import max_above_diagonal
+
+    a = torch.zeros(2, 5, 5, dtype=torch.float64)
+    a[:, 2, 1] = 3.0  # below: ignored
+    assert max_above_diagonal(a) == 0.0
+    a[1, 1, 3] = -0.5
+    assert max_above_diagonal(a) == 0.5
