@@ -112,6 +112,7 @@ class PODMonitor(Callback):
         self.timings: dict[str, float] = {}
         self._adapter: CaptureAdapter | None = None
         self._adapter_error: str | None = None
+        self._publisher: Any = None
         self._reset_run()
 
     # ----------------------------------------------------------- bookkeeping
@@ -334,27 +335,23 @@ class PODMonitor(Callback):
                 part.load_state_dict(st)
                 acc = part if acc is None else acc.merge(part)
             if acc is not None:
-                t = time.perf_counter()
-                report = acc.compute()
-                report.messages.append(f"compute {time.perf_counter() - t:.3f} s")
-                reports[key] = report
+                reports[key] = acc.compute()
         self.last_reports = reports
         return reports
 
     @rank_zero_only
     def _report(self, trainer: Trainer, reports: dict[str, PODReport]) -> None:
-        from .reporting.publish import write_reports
+        from .reporting.publish import Publisher
 
-        step = int(trainer.global_step)
+        if self._publisher is None:
+            self._publisher = Publisher(self.run_dir(trainer), self.prefix)
         images = self.log_images and (self.monitored_count % self.images_every_n == 0)
-        summary = write_reports(
-            trainer=trainer,
+        summary = self._publisher.publish(
+            loggers=trainer.loggers,
             reports=reports,
             layer_names=self._layer_names,
-            step=step,
+            step=int(trainer.global_step),
             epoch=int(trainer.current_epoch),
-            out_dir=self.run_dir(trainer),
-            prefix=self.prefix,
             images=images,
             skipped=dict(self._skipped),
             errors=list(self._run_errors),

@@ -426,7 +426,6 @@ class PODAccumulator:
                     f"coherency computed over the stored lag band |i - j| < {self.band.n_lags}; "
                     "entries beyond it are NaN"
                 )
-        messages.append(f"analysis took {time.perf_counter() - t0:.3f} s")
         return PODReport(
             status=status,
             n_snapshots=n,
@@ -449,6 +448,7 @@ class PODAccumulator:
             mean_field=self.mean_field.cpu().clone(),
             config=cfg.to_dict(),
             messages=messages,
+            analysis_seconds=time.perf_counter() - t0,
         )
 
     def _rounding_floor(self, mean_energy: Tensor) -> float:

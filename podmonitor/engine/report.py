@@ -127,6 +127,7 @@ class PODReport:
         mean_field: (L, L) the mean attention field Abar.
         config: the PODConfig as a dict.
         messages: human-readable notes (flags, skipped input, approximations).
+        analysis_seconds: wall time of the analysis (``compute``).
     """
 
     status: str
@@ -150,6 +151,7 @@ class PODReport:
     mean_field: Tensor
     config: dict[str, Any]
     messages: list[str] = field(default_factory=list)
+    analysis_seconds: float = math.nan
 
     @property
     def headline(self) -> ScaleReport | None:
@@ -188,6 +190,7 @@ class PODReport:
         out: dict[str, Any] = {
             "status": self.status,
             "messages": list(self.messages),
+            "analysis_seconds": self.analysis_seconds,
             "n_snapshots": self.n_snapshots,
             "n_skipped_nonfinite": self.n_skipped_nonfinite,
             "seq_len": self.seq_len,

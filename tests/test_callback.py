@@ -1,0 +1,199 @@
+"""PODMonitor with a real Trainer on a tiny model: what gets logged, where, and when."""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+from podmonitor import PODConfig, PODMonitor, PODMonitorWarning, analyze
+from tests.callback_models import TinyGPT
+
+FAST = PODConfig(n_dominant=2)
+
+
+def make_trainer(tmp_path, monitor, logger=False, **kw):
+    defaults = dict(
+        max_epochs=2,
+        accelerator="cpu",
+        devices=1,
+        logger=logger,
+        callbacks=[monitor],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        default_root_dir=str(tmp_path),
+        num_sanity_val_steps=2,
+    )
+    defaults.update(kw)
+    return L.Trainer(**defaults)
+
+
+def read_jsonl(path):
+    with open(path) as fh:
+        return [json.loads(line) for line in fh]
+
+
+def test_tensorboard_event_files_hold_scalars_and_images_at_validation_steps(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    monitor = PODMonitor(n_snapshots=24, config=FAST)
+    logger = TensorBoardLogger(str(tmp_path), name="tb")
+    trainer = make_trainer(tmp_path, monitor, logger=logger)
+    model = TinyGPT()
+    trainer.fit(model)
+    steps_per_epoch = 64 // 8
+    expected_steps = [steps_per_epoch, 2 * steps_per_epoch]
+    acc = EventAccumulator(logger.log_dir, size_guidance={"images": 0, "scalars": 0})
+    acc.Reload()
+    tags = acc.Tags()
+    for layer in ("layer_00", "layer_01"):
+        for metric in ("t_spec", "beta", "r2", "h_eps_0.10", "top_scale", "n_snapshots"):
+            events = acc.Scalars(f"pod/{metric}/{layer}")
+            assert [e.step for e in events] == expected_steps, (metric, layer)
+        n = acc.Scalars(f"pod/n_snapshots/{layer}")
+        assert [e.value for e in n] == [24.0, 24.0]
+    # the logged T_spec is the engine's value on the same snapshots (independent recomputation)
+    fields = []
+    model.eval()
+    for x, y in list(model.val_dataloader())[:3]:
+        fields.append(torch.stack(model.attention_maps((x, y))).mean(2))  # (layers, B, T, T)
+    ref = analyze(torch.cat(fields, dim=1)[0], FAST)
+    logged = acc.Scalars("pod/t_spec/layer_00")[-1].value
+    assert logged == pytest.approx(ref.t_spec, rel=1e-5)
+    image_tags = set(tags["images"])
+    for name in ("pod/scale_organisation", "pod/scalogram/layer_00", "pod/mean_scalogram/layer_01",
+                 "pod/spectrum/layer_00", "pod/modes/layer_01"):
+        assert name in image_tags
+        assert [e.step for e in acc.Images(name)] == expected_steps
+    # sanity check never monitored: 2 monitored validation runs, each wrote one JSON line
+    lines = read_jsonl(os.path.join(logger.log_dir, "podmonitor", "podmonitor.jsonl"))
+    assert [r["step"] for r in lines] == expected_steps
+    assert lines[0]["layers"]["layer_00"]["n_snapshots"] == 24
+    assert len(monitor.history) == 2
+
+
+def test_no_logger_writes_png_and_jsonl(tmp_path):
+    monitor = PODMonitor(n_snapshots=16, config=FAST, output_dir=str(tmp_path / "pm"))
+    trainer = make_trainer(tmp_path, monitor, max_epochs=1)
+    trainer.fit(TinyGPT())
+    lines = read_jsonl(tmp_path / "pm" / "podmonitor.jsonl")
+    assert len(lines) == 1
+    layer = lines[0]["layers"]["layer_01"]
+    assert layer["status"] == "ok" and layer["n_snapshots"] == 16
+    pngs = list((tmp_path / "pm" / "images").rglob("*.png"))
+    assert any("scale_organisation" in p.name for p in pngs)
+    assert len(pngs) >= 1 + 2 * 4
+    csv = (tmp_path / "pm" / "images" / "scalars.csv").read_text()
+    assert "pod/t_spec/layer_00" in csv
+
+
+def test_csv_logger_falls_back_to_png(tmp_path):
+    monitor = PODMonitor(n_snapshots=16, config=FAST)
+    logger = CSVLogger(str(tmp_path), name="csv")
+    trainer = make_trainer(tmp_path, monitor, logger=logger, max_epochs=1)
+    trainer.fit(TinyGPT())
+    run_dir = os.path.join(logger.log_dir, "podmonitor")
+    assert os.path.exists(os.path.join(run_dir, "podmonitor.jsonl"))
+    assert any(f.endswith(".png") for _, _, fs in os.walk(run_dir) for f in fs)
+
+
+def test_every_n_validations_and_sanity_check(tmp_path):
+    monitor = PODMonitor(n_snapshots=8, config=FAST, every_n_validations=2, log_images=False,
+                         output_dir=str(tmp_path / "pm"))
+    model = TinyGPT()
+    trainer = make_trainer(tmp_path, monitor, max_epochs=3)
+    trainer.fit(model)
+    lines = read_jsonl(tmp_path / "pm" / "podmonitor.jsonl")
+    assert [r["epoch"] for r in lines] == [0, 2]
+    # capture ran only on monitored validation batches: 1 batch of 8 per monitored run
+    assert model.attention_calls == 2
+
+
+def test_monitor_error_becomes_warning_and_training_completes(tmp_path):
+    def broken(module, batch):
+        raise RuntimeError("capture exploded")
+
+    monitor = PODMonitor(n_snapshots=8, capture=broken, output_dir=str(tmp_path / "pm"))
+    trainer = make_trainer(tmp_path, monitor, max_epochs=2)
+    with pytest.warns(PODMonitorWarning, match="capture exploded"):
+        trainer.fit(TinyGPT())
+    assert trainer.current_epoch == 2  # training finished
+    lines = read_jsonl(tmp_path / "pm" / "podmonitor.jsonl")
+    assert all("capture exploded" in " ".join(r["errors"]) for r in lines)
+
+
+def test_strict_mode_reraises(tmp_path):
+    def broken(module, batch):
+        raise RuntimeError("capture exploded")
+
+    trainer = make_trainer(tmp_path, PODMonitor(n_snapshots=8, capture=broken, strict=True), max_epochs=1)
+    with pytest.raises(RuntimeError, match="capture exploded"):
+        trainer.fit(TinyGPT())
+
+
+def test_nan_attention_is_skipped_and_counted(tmp_path):
+    monitor = PODMonitor(n_snapshots=16, config=FAST, log_images=False, output_dir=str(tmp_path / "pm"))
+    trainer = make_trainer(tmp_path, monitor, max_epochs=1)
+    trainer.fit(TinyGPT(nan_layer=1))
+    rec = read_jsonl(tmp_path / "pm" / "podmonitor.jsonl")[0]
+    bad, good = rec["layers"]["layer_01"], rec["layers"]["layer_00"]
+    assert bad["n_skipped_nonfinite"] == 2  # first sequence of each of the 2 captured batches
+    assert bad["n_snapshots"] == 14 and good["n_snapshots"] == 16
+    assert bad["status"] == "ok"
+
+
+def test_no_hooks_outside_monitored_batches(tmp_path):
+    # the protocol adapter runs an extra forward only on monitored batches; training steps and
+    # the remaining validation batches pay nothing
+    model = TinyGPT(n_val=48)
+    monitor = PODMonitor(n_snapshots=8, config=FAST, log_images=False, output_dir=str(tmp_path / "pm"))
+    trainer = make_trainer(tmp_path, monitor, max_epochs=2)
+    trainer.fit(model)
+    assert model.attention_calls == 2  # one batch of 8 per validation run, none in sanity check
+    for m in model.modules():
+        assert not m._forward_hooks and not m._forward_pre_hooks
+
+
+def test_checkpoint_resume_keeps_history(tmp_path):
+    monitor = PODMonitor(n_snapshots=8, config=FAST, log_images=False, output_dir=str(tmp_path / "pm"))
+    trainer = make_trainer(tmp_path, monitor, max_epochs=1)
+    trainer.fit(TinyGPT())
+    ckpt = tmp_path / "last.ckpt"
+    trainer.save_checkpoint(ckpt)
+    assert len(monitor.history) == 1
+    resumed = PODMonitor(n_snapshots=8, config=FAST, log_images=False, output_dir=str(tmp_path / "pm"))
+    trainer2 = make_trainer(tmp_path, resumed, max_epochs=2)
+    trainer2.fit(TinyGPT(), ckpt_path=str(ckpt))
+    assert len(resumed.history) == 2
+    assert resumed.history[0] == monitor.history[0]
+    assert resumed.validation_count == 2
+    assert [r["epoch"] for r in read_jsonl(tmp_path / "pm" / "podmonitor.jsonl")] == [0, 1]
+
+
+def test_invalid_arguments_are_rejected_at_construction():
+    with pytest.raises(ValueError, match="n_snapshots"):
+        PODMonitor(n_snapshots=2)
+    with pytest.raises(ValueError, match="every_n_validations"):
+        PODMonitor(every_n_validations=0)
+    with pytest.raises(ValueError, match="config"):
+        PODMonitor(config={"n_dominant": 2})
+
+
+def test_model_without_attention_warns_once_and_trains(tmp_path):
+    class NoAttention(TinyGPT):
+        attention_maps = None
+
+    monitor = PODMonitor(n_snapshots=8)
+    trainer = make_trainer(tmp_path, monitor, max_epochs=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(NoAttention())
+    msgs = [str(w.message) for w in caught if issubclass(w.category, PODMonitorWarning)]
+    assert len(msgs) == 1 and "capture" in msgs[0]
+    assert trainer.current_epoch == 1
