@@ -1,0 +1,250 @@
+"""What a capture returns (:class:`CapturedAttention`), the adapter interface, and the choice of adapter.
+
+The callback drives an adapter around the module's own validation step, only on the
+batches it analyses::
+
+    adapter = select_adapter(pl_module, "auto")
+    adapter.start(pl_module)                  # hooks / settings on
+    try:
+        outputs = pl_module.validation_step(batch, batch_idx)
+        captured = adapter.collect(pl_module, batch, outputs)
+    finally:
+        adapter.stop()                        # hooks / settings off, always
+
+or, equivalently, ``with adapter.capturing(pl_module): ...``. Nothing is attached outside
+``start()`` / ``stop()``, so training batches and unmonitored batches pay nothing.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from podmonitor.capture._util import layer_names
+
+
+@dataclass
+class CapturedAttention:
+    """Post-softmax attention of every attention layer for one batch (METHOD.md section 1).
+
+    Construction validates and normalises: fields become detached float32, shapes are
+    checked, so every adapter (and every user function) goes through the same checks.
+
+    Attributes:
+        fields: one tensor per layer, (B, H, T, T) float32, detached, on the model's
+            device; rows are queries and sum to 1 over the real keys. The head count H
+            may differ between layers (pruned models); B and T may not.
+        layer_names: one stable, unique name per field ("layer_00" or a module path).
+        valid: (B,) bool, True for sequences without any padding token; None means all
+            are valid. Sequences with padding are not cut out of the fields: the callback
+            skips them (padding never enters the analysed fields).
+        causal: True for decoder (lower-triangular) attention, False for bidirectional,
+            None when unknown.
+
+    Raises:
+        ValueError: a field is not (B, H, T, T), layers disagree on B or T, names are
+            missing or repeated, or ``valid`` is not a (B,) boolean tensor.
+        TypeError: a field or ``valid`` is not a tensor.
+    """
+
+    fields: list[torch.Tensor]
+    layer_names: list[str]
+    valid: torch.Tensor | None = None
+    causal: bool | None = None
+
+    def __post_init__(self) -> None:
+        fields = list(self.fields)
+        names = [str(n) for n in self.layer_names]
+        if not fields:
+            raise ValueError("no attention field was captured (empty list of layers)")
+        if len(names) != len(fields):
+            raise ValueError(f"{len(fields)} attention fields but {len(names)} layer names")
+        if len(set(names)) != len(names):
+            raise ValueError(f"layer names must be unique, got {names}")
+        out = []
+        batch = seq = None
+        for name, f in zip(names, fields, strict=True):
+            if not isinstance(f, torch.Tensor):
+                raise TypeError(f"attention of layer {name!r} is a {type(f).__name__}, not a torch.Tensor")
+            if f.dim() != 4:
+                raise ValueError(
+                    f"attention of layer {name!r} has shape {tuple(f.shape)}; expected (B, H, T, T) "
+                    "(batch, heads, queries, keys). Per-head maps are required: do not average over heads."
+                )
+            if f.shape[-1] != f.shape[-2]:
+                raise ValueError(
+                    f"attention of layer {name!r} has shape {tuple(f.shape)}: queries ({f.shape[-2]}) and keys "
+                    f"({f.shape[-1]}) differ; only square self-attention (B, H, T, T) is supported "
+                    "(cross-attention, key/value caches, extra bias or zero-attention keys are not)"
+                )
+            if batch is None:
+                batch, seq = f.shape[0], f.shape[-1]
+            elif f.shape[0] != batch or f.shape[-1] != seq:
+                raise ValueError(
+                    f"attention of layer {name!r} has shape {tuple(f.shape)}, but layer {names[0]!r} has batch "
+                    f"{batch} and length {seq}: every layer must have the same B and T"
+                )
+            out.append(f.detach().float())
+        if self.valid is not None:
+            if not isinstance(self.valid, torch.Tensor):
+                raise TypeError(f"valid must be a (B,) bool tensor or None, got {type(self.valid).__name__}")
+            if self.valid.dtype != torch.bool or tuple(self.valid.shape) != (batch,):
+                raise ValueError(
+                    f"valid must be a ({batch},) bool tensor, got {self.valid.dtype} of shape {tuple(self.valid.shape)}"
+                )
+            self.valid = self.valid.detach()
+        if self.causal is not None:
+            self.causal = bool(self.causal)
+        self.fields = out
+        self.layer_names = names
+
+    @property
+    def batch_size(self) -> int:
+        return self.fields[0].shape[0]
+
+    @property
+    def seq_len(self) -> int:
+        return self.fields[0].shape[-1]
+
+    @classmethod
+    def from_maps(
+        cls, maps: list[torch.Tensor] | tuple[torch.Tensor, ...], causal: bool | None = None
+    ) -> CapturedAttention:
+        """Wrap a plain list of (B, H, T, T) maps, named "layer_00", "layer_01", ...
+
+        Raises:
+            TypeError: ``maps`` is not a list or tuple of tensors.
+        """
+        if isinstance(maps, torch.Tensor) or not isinstance(maps, (list, tuple)):
+            raise TypeError(f"expected a list of (B, H, T, T) tensors, one per layer, got {type(maps).__name__}")
+        return cls(fields=list(maps), layer_names=layer_names(len(maps)), valid=None, causal=causal)
+
+
+class CaptureAdapter(abc.ABC):
+    """Gets the attention of a model out of its own validation step.
+
+    Subclasses set ``name``, implement :meth:`applies` and :meth:`collect`, and, when they
+    attach hooks or change settings, :meth:`start` and :meth:`stop`. ``stop()`` must undo
+    everything ``start()`` did, be idempotent, and work after a ``start()`` that failed
+    halfway or a forward that raised.
+    """
+
+    name: ClassVar[str]
+
+    @classmethod
+    @abc.abstractmethod
+    def applies(cls, module: torch.nn.Module) -> bool:
+        """Whether this adapter can capture the attention of ``module``."""
+
+    def start(self, module: torch.nn.Module) -> None:  # noqa: B027 (optional hook, default: nothing)
+        """Attach hooks / switch settings; called only for the batches being captured."""
+
+    def stop(self) -> None:  # noqa: B027
+        """Remove every hook and restore every setting; idempotent."""
+
+    @abc.abstractmethod
+    def collect(self, module: torch.nn.Module, batch: Any, outputs: Any) -> CapturedAttention:
+        """The attention of ``batch``, called after ``module.validation_step(batch, ...)`` returned ``outputs``."""
+
+    @contextlib.contextmanager
+    def capturing(self, module: torch.nn.Module) -> Iterator[CaptureAdapter]:
+        """``start(module)`` on entry, ``stop()`` on exit, also when the body raises."""
+        try:
+            self.start(module)
+            yield self
+        finally:
+            self.stop()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+def adapter_classes() -> list[type[CaptureAdapter]]:
+    """The built-in adapters, in the order ``"auto"`` tries them."""
+    from podmonitor.capture.function import FunctionAdapter
+    from podmonitor.capture.huggingface import HuggingFaceAdapter
+    from podmonitor.capture.protocol import ProtocolAdapter
+    from podmonitor.capture.torch_mha import TorchMHAAdapter
+
+    return [ProtocolAdapter, HuggingFaceAdapter, TorchMHAAdapter, FunctionAdapter]
+
+
+NOTHING_FITS = (
+    "podmonitor cannot capture the attention of {module}. The adapters, tried in this order:\n"
+    "  - 'protocol': the module defines attention_maps(batch) -> list of (B, H, T, T) tensors "
+    "(and optionally attention_is_causal: bool);\n"
+    "  - 'huggingface': the module is, holds or contains a transformers.PreTrainedModel that its "
+    "validation_step calls;\n"
+    "  - 'torch_mha': the module contains torch.nn.MultiheadAttention layers (nn.TransformerEncoder, "
+    "nn.TransformerEncoderLayer, nn.TransformerDecoderLayer, ...);\n"
+    "  - 'function': pass capture=fn with fn(module, batch) -> list of (B, H, T, T) tensors or a "
+    "CapturedAttention."
+)
+
+
+def select_adapter(
+    module: torch.nn.Module,
+    capture: str | Callable[..., Any] | CaptureAdapter | type[CaptureAdapter] = "auto",
+) -> CaptureAdapter:
+    """The adapter that will capture the attention of ``module``.
+
+    Args:
+        module: the (Lightning)module being validated.
+        capture: ``"auto"`` (try "protocol", "huggingface", "torch_mha" in this order), an
+            adapter name, a :class:`CaptureAdapter` instance (used as is) or subclass
+            (instantiated), or a function ``fn(module, batch) -> list[Tensor] | CapturedAttention``
+            (wrapped in a :class:`~podmonitor.capture.function.FunctionAdapter`).
+
+    Returns:
+        A fresh adapter (or the instance passed), with nothing attached yet.
+
+    Raises:
+        ValueError: nothing fits (the message lists the adapters and what each needs),
+            the named adapter is unknown or does not apply to ``module``.
+        TypeError: ``capture`` is of no accepted type.
+
+    Example:
+        >>> adapter = select_adapter(model)  # doctest: +SKIP
+        >>> adapter = select_adapter(model, lambda m, b: m.my_maps(b))  # doctest: +SKIP
+    """
+    from podmonitor.capture.function import FunctionAdapter
+
+    if isinstance(capture, CaptureAdapter):
+        return capture
+    if isinstance(capture, type) and issubclass(capture, CaptureAdapter):
+        if not capture.applies(module):
+            raise ValueError(f"{capture.__name__} does not apply to {type(module).__name__}")
+        return capture()
+    classes = adapter_classes()
+    if isinstance(capture, str):
+        if capture == "auto":
+            for cls in classes:
+                if cls is not FunctionAdapter and cls.applies(module):
+                    return cls()
+            raise ValueError(NOTHING_FITS.format(module=type(module).__name__))
+        by_name = {cls.name: cls for cls in classes}
+        if capture not in by_name:
+            raise ValueError(f"unknown capture adapter {capture!r}; choose 'auto' or one of {sorted(by_name)}")
+        if capture == FunctionAdapter.name:
+            raise ValueError("capture='function' needs the function itself: pass capture=fn(module, batch)")
+        cls = by_name[capture]
+        if not cls.applies(module):
+            raise ValueError(
+                f"the {capture!r} adapter does not apply to {type(module).__name__}.\n"
+                + NOTHING_FITS.format(module=type(module).__name__)
+            )
+        return cls()
+    if callable(capture):
+        return FunctionAdapter(capture)
+    raise TypeError(
+        "capture must be 'auto', an adapter name, a CaptureAdapter or a function fn(module, batch), "
+        f"got {type(capture).__name__}"
+    )
+
+
+__all__ = ["CaptureAdapter", "CapturedAttention", "adapter_classes", "select_adapter"]
