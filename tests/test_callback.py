@@ -197,3 +197,43 @@ def test_model_without_attention_warns_once_and_trains(tmp_path):
     msgs = [str(w.message) for w in caught if issubclass(w.category, PODMonitorWarning)]
     assert len(msgs) == 1 and "capture" in msgs[0]
     assert trainer.current_epoch == 1
+
+
+def test_sequences_shorter_than_smallest_scale_are_flagged_not_fatal(tmp_path):
+    monitor = PODMonitor(n_snapshots=8, log_images=True, output_dir=str(tmp_path / "pm"))
+    trainer = make_trainer(tmp_path, monitor, max_epochs=1)
+    trainer.fit(TinyGPT(seq_len=3))
+    rec = read_jsonl(tmp_path / "pm" / "podmonitor.jsonl")[0]
+    assert rec["layers"]["layer_00"]["status"] == "no_scales"
+    assert rec["layers"]["layer_00"]["t_spec"] is None  # NaN in strict JSON
+    assert trainer.current_epoch == 1
+
+
+def test_per_head_analysis_adds_one_report_per_head(tmp_path):
+    monitor = PODMonitor(n_snapshots=8, config=FAST, per_head=True, log_images=False, output_dir=str(tmp_path / "pm"))
+    trainer = make_trainer(tmp_path, monitor, max_epochs=1)
+    model = TinyGPT()
+    trainer.fit(model)
+    rec = read_jsonl(tmp_path / "pm" / "podmonitor.jsonl")[0]
+    assert set(rec["layers"]) == {"layer_00", "layer_01", "layer_00/head_00", "layer_00/head_01",
+                                  "layer_01/head_00", "layer_01/head_01"}
+    # a head's mean field is that head's average attention over the same 8 sequences
+    x, y = next(iter(model.val_dataloader()))
+    head = model.attention_maps((x, y))[1][:, 1]  # (B, T, T)
+    ref = analyze(head, FAST)
+    assert monitor.last_reports["layer_01/head_01"].mean_field.numpy() == pytest.approx(ref.mean_field.numpy(), abs=1e-6)
+
+
+def test_memory_budget_stops_capture_with_a_logged_status(tmp_path):
+    from podmonitor import estimate_memory
+
+    budget = estimate_memory(32, 10, FAST)["state"]
+    cfg = PODConfig(n_dominant=2, memory_budget_bytes=budget)
+    monitor = PODMonitor(n_snapshots=24, config=cfg, log_images=False, output_dir=str(tmp_path / "pm"))
+    trainer = make_trainer(tmp_path, monitor, max_epochs=1)
+    with pytest.warns(PODMonitorWarning, match="budget"):
+        trainer.fit(TinyGPT())
+    rec = read_jsonl(tmp_path / "pm" / "podmonitor.jsonl")[0]
+    assert rec["layers"]["layer_00"]["n_snapshots"] == 8  # the first batch fit, the second did not
+    assert any("memory budget" in e for e in rec["errors"])
+    assert rec["skipped"]["budget"] == 8
