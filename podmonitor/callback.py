@@ -286,6 +286,8 @@ class PODMonitor(Callback):
                             "compute_s": t1 - t0}
             self._report(trainer, reports)
             self.timings["logging_s"] = time.perf_counter() - t1
+            if self.history:
+                self.history[-1]["timings"] = dict(self.timings)
         except Exception as err:  # noqa: BLE001
             self._handle("analysing or logging", err)
         self._reset_run()

@@ -1,0 +1,107 @@
+"""Wall-time overhead of PODMonitor on a training run, measured side by side.
+
+Usage (from the repository root)::
+
+    python benchmarks/bench_overhead.py                 # tiny reference GPT on TinyShakespeare
+    python benchmarks/bench_overhead.py --epochs 2 --steps 50   # quicker
+
+It trains the same model (same seed, same data, validation every epoch) with and without the
+default ``PODMonitor()`` (N = 150 snapshots, pictures every monitored run, TensorBoard logger),
+each fit in its own subprocess, alternating the order over ``--repeats`` pairs, and prints the
+ratio of the median wall times of ``trainer.fit`` and the monitor's own cost split (capture,
+accumulate, compute, logging) summed over its validation runs. Target: ratio <= 1.05.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+TARGET = 1.05
+
+
+def child(args: argparse.Namespace) -> None:
+    import lightning as L
+    import torch
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from podmonitor import PODMonitor
+    from podmonitor.data import CharDataModule
+    from podmonitor.models.lightning import GPTLightningModule
+
+    torch.set_num_threads(args.threads)
+    L.seed_everything(0, verbose=False)
+    dm = CharDataModule(block_size=args.block_size, batch_size=args.batch_size,
+                        train_samples_per_epoch=args.steps * args.batch_size,
+                        max_val_windows=args.val_windows)
+    model = GPTLightningModule.tiny(vocab_size=65, block_size=args.block_size, max_steps=args.epochs * args.steps)
+    callbacks = [PODMonitor()] if args.side == "monitor" else []
+    trainer = L.Trainer(max_epochs=args.epochs, accelerator="cpu", devices=1, logger=TensorBoardLogger(args.tmp),
+                        callbacks=callbacks, enable_progress_bar=False, enable_model_summary=False,
+                        enable_checkpointing=False, num_sanity_val_steps=0, gradient_clip_val=1.0)
+    t0 = time.perf_counter()
+    trainer.fit(model, dm)
+    wall = time.perf_counter() - t0
+    split: dict[str, float] = {}
+    if callbacks:
+        for entry in callbacks[0].history:
+            for k, v in entry.get("timings", {}).items():
+                split[k] = split.get(k, 0.0) + float(v)
+    print(json.dumps({"wall": wall, "split": split, "val_loss": float(trainer.callback_metrics["val_loss"]),
+                      "validations": len(callbacks[0].history) if callbacks else 0}))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--steps", type=int, default=150, help="training steps per epoch")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--block-size", type=int, default=128)
+    p.add_argument("--val-windows", type=int, default=256, help="validation windows per validation run")
+    p.add_argument("--repeats", type=int, default=1, help="pairs of runs (order alternates)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--side", choices=["plain", "monitor"], help=argparse.SUPPRESS)
+    p.add_argument("--tmp", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.side:
+        child(args)
+        return
+    walls: dict[str, list[float]] = {"plain": [], "monitor": []}
+    split: dict[str, float] = {}
+    n_val = 0
+    for r in range(args.repeats):
+        order = ["plain", "monitor"] if r % 2 == 0 else ["monitor", "plain"]
+        for side in order:
+            with tempfile.TemporaryDirectory() as tmp:
+                cmd = [sys.executable, str(Path(__file__).resolve()), "--side", side, "--tmp", tmp,
+                       "--epochs", str(args.epochs), "--steps", str(args.steps), "--batch-size", str(args.batch_size),
+                       "--block-size", str(args.block_size), "--val-windows", str(args.val_windows),
+                       "--threads", str(args.threads)]
+                out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+                res = json.loads(out.strip().splitlines()[-1])
+                walls[side].append(res["wall"])
+                print(f"[{side:7}] fit {res['wall']:.1f} s, val_loss {res['val_loss']:.3f}", flush=True)
+                if side == "monitor":
+                    split = res["split"]
+                    n_val = res["validations"]
+    plain, mon = statistics.median(walls["plain"]), statistics.median(walls["monitor"])
+    print(f"\nconfig: tiny GPT, {args.epochs} epochs x {args.steps} steps (batch {args.batch_size}, "
+          f"block {args.block_size}), validation every epoch on {args.val_windows} windows, "
+          f"{args.threads} threads, {args.repeats} pair(s)")
+    print(f"fit wall time without monitor: {plain:.1f} s")
+    print(f"fit wall time with PODMonitor(): {mon:.1f} s ({n_val} monitored validation runs)")
+    print(f"ratio with/without: {mon / plain:.3f}   (target <= {TARGET})")
+    if split:
+        total = sum(split.values())
+        print("monitor cost split over its validation runs: "
+              + ", ".join(f"{k.removesuffix('_s')} {v:.2f} s" for k, v in split.items()) + f" (total {total:.2f} s)")
+
+
+if __name__ == "__main__":
+    main()
