@@ -438,7 +438,7 @@ class PODAccumulator:
             scale_energy=energy.cpu(),
             mean_scale_energy=mean_energy.cpu(),
             dominant_scales=[scales_list[k] for k in dominant_idx],
-            scale_centroid=scale_centroid(energy, scales) if scales_list else math.nan,
+            scale_centroid=scale_centroid(energy, scales) if status not in ("no_scales", "zero_variance") else math.nan,
             per_scale=per_scale,
             mean_attention_distance=mean_attention_distance(self.mean_field),
             entropy=entropy,

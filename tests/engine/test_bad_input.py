@@ -69,6 +69,7 @@ def test_identical_snapshots_have_zero_variance_flag():
     assert math.isnan(report.t_spec)
     assert report.dominant_scales == []
     assert float(report.scalogram.abs().max()) < 1e-25
+    assert math.isnan(report.scale_centroid)
 
 
 def test_sequence_shorter_than_smallest_scale():
