@@ -34,9 +34,7 @@ DEFAULT_TEXT = "tinyshakespeare.txt"
 
 def read_default_text() -> str:
     """The TinyShakespeare text shipped in ``podmonitor/data``."""
-    return importlib.resources.files("podmonitor.data").joinpath(DEFAULT_TEXT).read_text(
-        encoding="utf-8"
-    )
+    return importlib.resources.files("podmonitor.data").joinpath(DEFAULT_TEXT).read_text(encoding="utf-8")
 
 
 class RandomWindows(Dataset[tuple[torch.Tensor, torch.Tensor]]):

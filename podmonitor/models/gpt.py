@@ -115,11 +115,17 @@ class GPTConfig:
 
     @classmethod
     def tiny(cls, **overrides: Any) -> GPTConfig:
-        """A CPU-sized model: 4 layers, 4 heads, width 128, context 128, MLP 512, no dropout.
+        """A CPU-sized model: 4 layers, 4 heads, width 128, context 128, MLP 512, no dropout
+        (0.80M parameters).
 
-        Measured on 2 shared CPU cores with :class:`~podmonitor.data.CharDataModule`
-        (batch 32, AdamW lr 1e-3, 100 warm-up steps): below 2.2 nats/char validation
-        loss in about 4-5 minutes (see the model docs / report for the numbers).
+        Measured with :meth:`GPTLightningModule.tiny <podmonitor.models.lightning.GPTLightningModule.tiny>`
+        (AdamW lr 3e-3, 25 warm-up steps, cosine to step 500, clip 1.0) and
+        ``CharDataModule(block_size=128, batch_size=16)``, one torch thread, on 2 CPU cores
+        shared with other jobs: after 500 steps the validation loss (all 871 windows) was
+        2.152 nats/char for softmax attention (392 s) and 2.132 for EGA-causal (486 s);
+        below 2.2 between steps 400 and 500 (at step 400: softmax 2.223, EGA 2.192).
+        Without contention a step takes about 0.3 s
+        (softmax) / 0.45 s (EGA) on one core.
         """
         base = cls(block_size=128, n_layer=4, n_head=4, n_embd=128, dropout=0.0)
         return replace(base, **overrides)
@@ -198,9 +204,7 @@ class CausalSelfAttention(nn.Module):
         y = y.transpose(1, 2).contiguous().view(B, T, nh * hs)  # (B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
-    def forward(
-        self, x: torch.Tensor, return_attention: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, x: torch.Tensor, return_attention: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x (B, T, C) -> (y (B, T, C), attention (B, nh, T, T) or None).
 
         The returned attention holds the post-softmax probabilities that multiply V (for
@@ -219,6 +223,7 @@ class CausalSelfAttention(nn.Module):
             else:
                 causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()  # (T, T)
                 mask = log_g.masked_fill(~causal, float("-inf"))  # (B, nh, T, T): causal + log g
+                mask = mask.to(q.dtype)  # the fused kernels want a mask of the query's dtype
                 y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
             return self.merge_heads(y), None
 
@@ -258,9 +263,7 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(
-        self, x: torch.Tensor, return_attention: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, x: torch.Tensor, return_attention: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         a, att = self.attn(self.ln_1(x), return_attention=return_attention)
         x = x + a  # (B, T, C)
         x = x + self.mlp(self.ln_2(x))  # (B, T, C)
@@ -345,9 +348,7 @@ class GPT(nn.Module):
         if config.pos_encoding == "learned":
             wpe: nn.Module = nn.Embedding(config.block_size, config.n_embd)
         else:
-            wpe = MorletPositionalEncoding(
-                config.n_embd, config.block_size, config.mope_omega_sigma_min
-            )
+            wpe = MorletPositionalEncoding(config.n_embd, config.block_size, config.mope_omega_sigma_min)
         self.transformer = nn.ModuleDict(
             dict(
                 wte=nn.Embedding(config.vocab_size, config.n_embd),
@@ -397,10 +398,7 @@ class GPT(nn.Module):
         targets: torch.Tensor | None = None,
         *,
         return_attention: bool = False,
-    ) -> (
-        tuple[torch.Tensor, torch.Tensor | None]
-        | tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]]
-    ):
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]]:
         """Run the model.
 
         Args:
@@ -428,9 +426,7 @@ class GPT(nn.Module):
         logits = self.lm_head(x)  # (B, T, vocab)
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(
-                logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1
-            )
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
         if return_attention:
             return logits, loss, attentions
         return logits, loss

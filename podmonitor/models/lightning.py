@@ -16,7 +16,7 @@ and :attr:`GPTLightningModule.attention_is_causal`.
 Example:
     >>> import lightning as L
     >>> from podmonitor.data import CharDataModule
-    >>> dm = CharDataModule(block_size=128, batch_size=32)
+    >>> dm = CharDataModule(block_size=128, batch_size=16)
     >>> model = GPTLightningModule.tiny(vocab_size=dm.vocab_size, attention="ega")
     >>> trainer = L.Trainer(max_steps=model.hparams.max_steps, gradient_clip_val=1.0)
     >>> trainer.fit(model, dm)  # doctest: +SKIP
@@ -34,9 +34,7 @@ import torch
 from podmonitor.models.gpt import GPT, GPTConfig
 
 
-def warmup_cosine(
-    step: int, warmup_steps: int, max_steps: int, min_lr_ratio: float
-) -> float:
+def warmup_cosine(step: int, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
     """Learning-rate multiplier at optimiser step ``step`` (0-based).
 
     Linear warm-up ``(step + 1) / warmup_steps`` for ``step < warmup_steps``, then cosine
@@ -130,9 +128,12 @@ class GPTLightningModule(L.LightningModule):
 
     @classmethod
     def tiny(cls, **overrides: Any) -> GPTLightningModule:
-        """:meth:`GPTConfig.tiny` with a CPU-friendly schedule: lr 1e-3, 100 warm-up
-        steps, cosine to step 1000 (override any of them)."""
-        defaults: dict[str, Any] = dict(lr=1e-3, warmup_steps=100, max_steps=1000)
+        """:meth:`GPTConfig.tiny` with a CPU-friendly schedule: lr 3e-3, 25 warm-up steps,
+        cosine to step 500 (override any of them). With ``CharDataModule(block_size=128,
+        batch_size=16)`` and ``Trainer(max_steps=500, gradient_clip_val=1.0)`` it reaches
+        about 2.15 nats/char (softmax) / 2.13 (EGA-causal) validation loss in 4-8 minutes
+        on 2 shared CPU cores (see :meth:`GPTConfig.tiny`)."""
+        defaults: dict[str, Any] = dict(lr=3e-3, warmup_steps=25, max_steps=500)
         defaults.update(overrides)
         return cls._from_config(GPTConfig.tiny(), **defaults)
 
@@ -156,9 +157,7 @@ class GPTLightningModule(L.LightningModule):
 
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams
-        optimizer = torch.optim.AdamW(
-            self.model.optim_groups(hp.weight_decay), lr=hp.lr, betas=(hp.beta1, hp.beta2)
-        )
+        optimizer = torch.optim.AdamW(self.model.optim_groups(hp.weight_decay), lr=hp.lr, betas=(hp.beta1, hp.beta2))
         warmup, total, floor = int(hp.warmup_steps), int(hp.max_steps), float(hp.min_lr_ratio)
 
         def lr_lambda(step: int) -> float:  # a plain function: LambdaLR stores no state for it

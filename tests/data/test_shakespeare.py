@@ -49,7 +49,7 @@ def test_validation_windows_fixed_and_non_overlapping(dm: CharDataModule) -> Non
     batches_a = list(dm.val_dataloader())
     batches_b = list(CharDataModule(block_size=64, batch_size=8).val_dataloader())
     assert len(batches_a) == len(batches_b) == -(-((111_540 - 1) // 64) // 8)
-    for (xa, ya), (xb, yb) in zip(batches_a, batches_b):
+    for (xa, ya), (xb, yb) in zip(batches_a, batches_b, strict=True):
         assert torch.equal(xa, xb) and torch.equal(ya, yb)
     x = torch.cat([b[0] for b in batches_a])  # (n_windows, T)
     y = torch.cat([b[1] for b in batches_a])

@@ -13,8 +13,14 @@ from podmonitor.models.gpt import GPT, CausalSelfAttention, EnergyGate, GPTConfi
 
 def ega_config(gate: str = "causal", **kw: object) -> GPTConfig:
     base: dict[str, object] = dict(
-        vocab_size=65, block_size=24, n_layer=2, n_head=2, n_embd=16, dropout=0.0,
-        attention="ega", ega_gate=gate,
+        vocab_size=65,
+        block_size=24,
+        n_layer=2,
+        n_head=2,
+        n_embd=16,
+        dropout=0.0,
+        attention="ega",
+        ega_gate=gate,
     )
     base.update(kw)
     return GPTConfig(**base)  # type: ignore[arg-type]
@@ -138,7 +144,7 @@ def test_causal_gate_does_not_leak(pos_encoding: str) -> None:
             _, _, atts_a = model(idx, return_attention=True)
             _, _, atts_b = model(idx2, return_attention=True)
         torch.testing.assert_close(a[:, :t], b[:, :t], atol=1e-6, rtol=0)
-        for aa, ab in zip(atts_a, atts_b):
+        for aa, ab in zip(atts_a, atts_b, strict=True):
             torch.testing.assert_close(aa[:, :, :t], ab[:, :, :t], atol=1e-6, rtol=0)
 
 

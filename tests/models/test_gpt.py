@@ -23,9 +23,7 @@ IDS = ["-".join(str(v) for v in d.values()) for d in VARIANTS]
 
 
 def small_config(**kw: object) -> GPTConfig:
-    base: dict[str, object] = dict(
-        vocab_size=65, block_size=32, n_layer=3, n_head=4, n_embd=32, dropout=0.1
-    )
+    base: dict[str, object] = dict(vocab_size=65, block_size=32, n_layer=3, n_head=4, n_embd=32, dropout=0.1)
     base.update(kw)
     return GPTConfig(**base)  # type: ignore[arg-type]
 
@@ -86,9 +84,11 @@ def test_attention_reproduces_fused_output(variant: dict) -> None:
     outputs: dict[int, torch.Tensor] = {}
     hooks = []
     for l, block in enumerate(model.transformer.h):
+
         def hook(mod, args, out, l=l):  # noqa: ANN001
             inputs[l] = args[0].detach()
             outputs[l] = out[0].detach()
+
         hooks.append(block.attn.register_forward_hook(hook))
     with torch.no_grad():
         model(idx)  # fused path: hooks record each layer's input and output
@@ -98,7 +98,7 @@ def test_attention_reproduces_fused_output(variant: dict) -> None:
         h.remove()
     T = idx.size(1)
     upper = torch.ones(T, T, dtype=torch.bool).triu(1)
-    for l, (block, a) in enumerate(zip(model.transformer.h, atts)):
+    for l, (block, a) in enumerate(zip(model.transformer.h, atts, strict=True)):
         torch.testing.assert_close(inputs[l], fused_in[l], atol=1e-6, rtol=1e-5)
         _, _, v = block.attn.qkv(fused_in[l])  # (B, nh, T, hs)
         y = block.attn.merge_heads(a @ v)  # (B, T, C)

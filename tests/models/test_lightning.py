@@ -22,7 +22,7 @@ def make_dm(**kw: object) -> CharDataModule:
 
 
 def make_trainer(max_steps: int, tmp_path: Path, **kw: object) -> L.Trainer:
-    return L.Trainer(
+    args: dict[str, object] = dict(
         max_steps=max_steps,
         accelerator="cpu",
         logger=False,
@@ -33,8 +33,9 @@ def make_trainer(max_steps: int, tmp_path: Path, **kw: object) -> L.Trainer:
         limit_val_batches=2,
         default_root_dir=tmp_path,
         gradient_clip_val=1.0,
-        **kw,
     )
+    args.update(kw)
+    return L.Trainer(**args)  # type: ignore[arg-type]
 
 
 class StepAtStart(L.Callback):
@@ -72,7 +73,7 @@ def test_attention_maps_protocol(attention: str) -> None:
         torch.testing.assert_close(a.sum(-1), torch.ones(3, 2, 32))
     # eval mode, so deterministic despite dropout = 0.1
     again = module.attention_maps(x)
-    assert all(torch.equal(a, b) for a, b in zip(maps, again))
+    assert all(torch.equal(a, b) for a, b in zip(maps, again, strict=True))
     assert module.attention_is_causal is True
     assert module.information_is_causal is True
     window = GPTLightningModule(**TINY, attention="ega", ega_gate="window")
@@ -91,7 +92,7 @@ def test_optimizer_groups_and_hparams() -> None:
     paper = GPTLightningModule.paper()
     assert paper.hparams.n_layer == 6 and paper.hparams.warmup_steps == 300
     tiny = GPTLightningModule.tiny(attention="ega")
-    assert tiny.hparams.n_embd == 128 and tiny.hparams.lr == 1e-3
+    assert tiny.hparams.n_embd == 128 and tiny.hparams.lr == 3e-3 and tiny.hparams.max_steps == 500
 
 
 def test_checkpoint_round_trip_and_resume(tmp_path: Path) -> None:
@@ -133,13 +134,20 @@ def test_checkpoint_round_trip_and_resume(tmp_path: Path) -> None:
 def test_short_training_lowers_validation_loss(tmp_path: Path) -> None:
     L.seed_everything(0, verbose=False)
     module = GPTLightningModule(
-        block_size=32, n_layer=2, n_head=2, n_embd=64, dropout=0.0,
-        lr=3e-3, warmup_steps=5, max_steps=40, weight_decay=0.1,
+        block_size=32,
+        n_layer=2,
+        n_head=2,
+        n_embd=64,
+        dropout=0.0,
+        lr=3e-3,
+        warmup_steps=5,
+        max_steps=60,
+        weight_decay=0.1,
     )
     dm = make_dm(batch_size=32)
-    trainer = make_trainer(40, tmp_path, limit_val_batches=1.0)
+    trainer = make_trainer(60, tmp_path, limit_val_batches=1.0)
     before = trainer.validate(module, dm, verbose=False)[0]["val_loss"]
     assert abs(before - math.log(65)) < 0.3
     trainer.fit(module, dm)
     after = trainer.validate(module, dm, verbose=False)[0]["val_loss"]
-    assert after < 3.0, (before, after)
+    assert after < 3.1 and after < before - 1.0, (before, after)  # unigram entropy: 3.31
