@@ -421,6 +421,11 @@ class PODAccumulator:
         if cfg.coherency and n > 0 and (cfg.coherency_scale is not None or dominant_idx):
             coh_scale = cfg.coherency_scale if cfg.coherency_scale is not None else scales_list[dominant_idx[0]]
             coherency = self._coherency(coh_scale)
+            if self.causal and bool(torch.isnan(coherency).any()):
+                messages.append(
+                    f"coherency: positions more than {self._coherency_reach} tokens right of a query "
+                    "(where the wavelet no longer reaches any of its keys) are NaN"
+                )
             if self.band.n_lags < seq_len:
                 messages.append(
                     f"coherency computed over the stored lag band |i - j| < {self.band.n_lags}; "
@@ -511,6 +516,7 @@ class PODAccumulator:
             for start in range(0, chunk.shape[0], sub):
                 acc.update(self.band.to_dense(chunk[start:start + sub].to(self.config.dtype)))
         gamma = acc.compute()
+        self._coherency_reach = acc.reach if self.causal else None
         if self.band.n_lags < self.seq_len:
             pos = torch.arange(self.seq_len, device=gamma.device)
             far = (pos.unsqueeze(1) - pos.unsqueeze(0)).abs() >= self.band.n_lags
