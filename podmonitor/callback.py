@@ -54,8 +54,10 @@ class PODMonitor(Callback):
             :class:`~podmonitor.capture.CaptureAdapter`, or a function
             ``fn(pl_module, batch) -> list[Tensor (B, H, T, T)]``.
         per_head: also analyse each head's field (H times the work and memory).
-        log_images: log pictures (every ``images_every_n`` monitored runs).
-        images_every_n: see ``log_images``.
+        log_images: log pictures.
+        images_every_n: pictures on every n-th monitored run, the first one included (default 2:
+            drawing about five pictures per layer costs more than the analysis itself; set 1 for
+            pictures on every monitored run).
         output_dir: where the JSON-lines report and PNG pictures go; default
             ``<trainer.log_dir or default_root_dir>/podmonitor``.
         prefix: name prefix of the logged scalars.
@@ -79,7 +81,7 @@ class PODMonitor(Callback):
         capture: str | Callable[..., Any] | CaptureAdapter = "auto",
         per_head: bool = False,
         log_images: bool = True,
-        images_every_n: int = 1,
+        images_every_n: int = 2,
         output_dir: str | None = None,
         prefix: str = "pod",
         strict: bool = False,

@@ -42,7 +42,7 @@ def read_jsonl(path):
 def test_tensorboard_event_files_hold_scalars_and_images_at_validation_steps(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    monitor = PODMonitor(n_snapshots=24, config=FAST)
+    monitor = PODMonitor(n_snapshots=24, config=FAST, images_every_n=1)
     logger = TensorBoardLogger(str(tmp_path), name="tb")
     trainer = make_trainer(tmp_path, monitor, logger=logger)
     model = TinyGPT()
@@ -237,3 +237,23 @@ def test_memory_budget_stops_capture_with_a_logged_status(tmp_path):
     assert rec["layers"]["layer_00"]["n_snapshots"] == 8  # the first batch fit, the second did not
     assert any("memory budget" in e for e in rec["errors"])
     assert rec["skipped"]["budget"] == 8
+
+
+def test_custom_capture_function(tmp_path):
+    calls = []
+
+    def capture(module, batch):
+        calls.append(len(batch[0]))
+        _, atts = module(batch[0], return_attention=True)
+        return [a.detach() for a in atts]
+
+    model = TinyGPT()
+    monitor = PODMonitor(n_snapshots=12, config=FAST, capture=capture, log_images=False,
+                         output_dir=str(tmp_path / "pm"))
+    trainer = make_trainer(tmp_path, monitor, max_epochs=1)
+    trainer.fit(model)
+    assert calls == [8, 8]  # two monitored batches, then the monitor has its 12 sequences
+    assert model.attention_calls == 0  # the protocol method was not used
+    rec = read_jsonl(tmp_path / "pm" / "podmonitor.jsonl")[0]
+    assert rec["layers"]["layer_00"]["n_snapshots"] == 12
+    assert rec["layers"]["layer_00"]["causal"] is True

@@ -35,7 +35,7 @@ def tensorboard_server(tmp_path):
     logger = TensorBoardLogger(str(logdir), name="run")
     trainer = L.Trainer(max_epochs=2, accelerator="cpu", logger=logger, enable_progress_bar=False,
                         enable_model_summary=False, enable_checkpointing=False,
-                        callbacks=[PODMonitor(n_snapshots=16, config=PODConfig(n_dominant=2))])
+                        callbacks=[PODMonitor(n_snapshots=16, config=PODConfig(n_dominant=2), images_every_n=1)])
     trainer.fit(TinyGPT())
     port = free_port()
     proc = subprocess.Popen(
