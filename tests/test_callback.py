@@ -221,7 +221,8 @@ def test_per_head_analysis_adds_one_report_per_head(tmp_path):
     x, y = next(iter(model.val_dataloader()))
     head = model.attention_maps((x, y))[1][:, 1]  # (B, T, T)
     ref = analyze(head, FAST)
-    assert monitor.last_reports["layer_01/head_01"].mean_field.numpy() == pytest.approx(ref.mean_field.numpy(), abs=1e-6)
+    got = monitor.last_reports["layer_01/head_01"].mean_field.numpy()
+    assert got == pytest.approx(ref.mean_field.numpy(), abs=1e-6)
 
 
 def test_memory_budget_stops_capture_with_a_logged_status(tmp_path):

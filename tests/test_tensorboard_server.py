@@ -70,7 +70,8 @@ def test_tensorboard_http_api_serves_scalars_and_images(tensorboard_server):
             break
         time.sleep(0.5)
     assert "pod/t_spec/layer_01" in tags[run]
-    series = json.loads(get(f"{base}/data/plugin/scalars/scalars?" + q({"run": run, "tag": "pod/n_snapshots/layer_00"})))
+    query = q({"run": run, "tag": "pod/n_snapshots/layer_00"})
+    series = json.loads(get(f"{base}/data/plugin/scalars/scalars?{query}"))
     assert [(step, value) for _, step, value in series] == [(8, 16.0), (16, 16.0)]
     images = json.loads(get(f"{base}/data/plugin/images/images?" + q({"run": run, "tag": "pod/scale_organisation",
                                                                       "sample": 0})))
