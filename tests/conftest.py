@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 import pytest
 import torch
@@ -42,3 +44,17 @@ def random_causal_fields(n: int, seq_len: int, seed: int = 0, temperature: float
 @pytest.fixture
 def causal_fields() -> torch.Tensor:
     return random_causal_fields(24, 32, seed=1)
+
+
+@pytest.fixture
+def one_torch_thread() -> Iterator[None]:
+    """Run a test on one torch thread.
+
+    Tiny models make every small op an OpenMP parallel region; on a machine whose other core is
+    busy each region waits a scheduler time slice for its second thread (measured: ~8 ms per
+    LayerNorm of a (2, 32, 32) tensor, a 20x slowdown). One thread is faster at these sizes.
+    """
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

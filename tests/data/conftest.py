@@ -1,22 +1,8 @@
-"""Run these tests on one torch thread.
-
-The models here are tiny: with two intra-op threads every small op becomes an OpenMP
-parallel region, and on a machine whose other core is busy each region waits a scheduler
-time slice for its second thread (measured: ~8 ms per LayerNorm of a (2, 32, 32) tensor,
-a 20x slowdown). One thread is faster for tensors this small and immune to that.
-"""
-
-from __future__ import annotations
-
-from collections.abc import Iterator
+"""Tests of this folder run on one torch thread (see ``one_torch_thread`` in tests/conftest.py)."""
 
 import pytest
-import torch
 
 
 @pytest.fixture(autouse=True)
-def _one_torch_thread() -> Iterator[None]:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_torch_thread):
     yield
-    torch.set_num_threads(previous)
