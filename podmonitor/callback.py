@@ -295,10 +295,13 @@ class PODMonitor(Callback):
         self._reset_run()
 
     def _gather_states(self, trainer: Trainer) -> list[dict[str, Any]]:
-        """Every rank calls the collective (also with nothing to send), rank 0 gets all states."""
-        payload = {
+        """Every rank calls the collective (also with nothing to send), rank 0 gets all states.
+
+        In a single process the accumulators themselves are passed on (no copy of the snapshots).
+        """
+        payload: dict[str, Any] = {
             "layer_names": self._layer_names,
-            "accumulators": {k: a.state_dict() for k, a in self._accumulators.items()},
+            "accumulators": dict(self._accumulators),
             "skipped": dict(self._skipped),
             "errors": list(self._run_errors),
             "monitoring": self._monitoring,
@@ -306,10 +309,11 @@ class PODMonitor(Callback):
         world, _ = self._world(trainer)
         if world == 1 or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
             return [payload]
-        for acc_state in payload["accumulators"].values():
-            for key, value in list(acc_state.items()):
-                if isinstance(value, torch.Tensor):
-                    acc_state[key] = value.cpu()
+        states = {}
+        for name, acc in self._accumulators.items():
+            state = acc.state_dict()
+            states[name] = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+        payload["accumulators"] = states
         gathered: list[Any] = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(gathered, payload)
         return gathered
@@ -331,12 +335,14 @@ class PODMonitor(Callback):
         for key in keys:
             acc: PODAccumulator | None = None
             for s in states:
-                st = s["accumulators"].get(key)
-                if st is None:
+                item = s["accumulators"].get(key)
+                if item is None:
                     continue
-                cfg = PODConfig.from_dict(st["config"])
-                part = PODAccumulator(cfg)
-                part.load_state_dict(st)
+                if isinstance(item, PODAccumulator):
+                    part = item
+                else:  # a state dict from another process
+                    part = PODAccumulator(PODConfig.from_dict(item["config"]))
+                    part.load_state_dict(item)
                 acc = part if acc is None else acc.merge(part)
             if acc is not None:
                 reports[key] = acc.compute()
