@@ -239,9 +239,9 @@ class PODAccumulator:
                     f"{self.n} snapshots are kept"
                 )
         self.n_skipped_nonfinite += n_bad
-        negative = (x < 0).flatten(1).any(dim=1)
-        self.n_negative += int(negative.sum())
-        any_negative = bool(negative.any())
+        any_negative = bool(x.amin() < 0)  # one reduction; count per snapshot only when needed
+        if any_negative:
+            self.n_negative += int((x < 0).flatten(1).any(dim=1).sum())
 
         # Work through the batch in sub-batches of bounded size, so that the temporaries of an
         # update stay small whatever the batch size (the result does not depend on the split).
@@ -268,12 +268,14 @@ class PODAccumulator:
         n = n_a + n_b
         delta = mean_b - self.mean_field  # (L, L)
         w = n_a * n_b / n
-        d_back = lag_signals(delta)
-        self.m2_back += m2b_back + w * lag_moment(d_back.unsqueeze(0))
+        self.m2_back += m2b_back
+        if n_a > 0:  # the between-group term vanishes for the first group
+            self.m2_back += w * lag_moment(lag_signals(delta).unsqueeze(0))
         if self.m2_fwd is not None:
             assert m2b_fwd is not None
-            d_fwd = lag_signals(delta, forward=True).flip(0)
-            self.m2_fwd += m2b_fwd + w * lag_moment(d_fwd.unsqueeze(0))
+            self.m2_fwd += m2b_fwd
+            if n_a > 0:
+                self.m2_fwd += w * lag_moment(lag_signals(delta, forward=True).flip(0).unsqueeze(0))
         self.mean_field += delta * (n_b / n)
         self.n = n
 

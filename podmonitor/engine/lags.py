@@ -98,7 +98,7 @@ def lag_moment(signals: Tensor, *, n_blocks: int = 8) -> Tensor:
     for start in range(0, seq_len, block):
         stop = min(seq_len, start + block)
         rows = signals[:, start:stop, :stop].reshape(-1, stop)  # (B * rows, k)
-        out[:stop, :stop] += rows.T @ rows
+        out[:stop, :stop].addmm_(rows.T, rows)
     return out
 
 
