@@ -268,7 +268,7 @@ class PODMonitor(Callback):
     def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.sanity_checking or self._adapter is None:
             return
-        world, rank = self._world(trainer)
+        _, rank = self._world(trainer)
         if not self._monitoring and not self._run_errors:
             # every rank decides the same way (same validation count), so nobody waits here
             return

@@ -113,7 +113,7 @@ def _status_lines(report: PODReport) -> list[str]:
     """What is wrong with a flagged report (empty for status "ok")."""
     if report.status == "ok":
         return []
-    msgs = [m for m in report.messages if not m.startswith("analysis took")]
+    msgs = list(report.messages)
     return [f"status: {report.status}"] + msgs[:2]
 
 

@@ -219,7 +219,7 @@ def summary_markdown(reports: Sequence[PODReport], layer_names: Sequence[str] | 
                fmt(rep.entropy), str(rep.n_snapshots)]
         lines.append("| " + " | ".join(row) + " |")
         if rep.status != "ok":
-            msgs = [m for m in rep.messages if not m.startswith("analysis took")]
+            msgs = list(rep.messages)
             notes.append(f"- **{name}** ({rep.status}): " + ("; ".join(msgs) if msgs else "no message"))
     title = "### podmonitor" + (f" at step {step}" if step is not None else "")
     return "\n".join([title, "", *lines] + (["", *notes] if notes else [])) + "\n"
