@@ -85,7 +85,10 @@ class PODMonitorCLI(LightningCLI):
         lines = [""]
         val = trainer.callback_metrics.get("val_loss")
         if val is not None:
-            lines.append(f"final val_loss: {float(val):.4f} nats/char (step {trainer.global_step})")
+            baseline = ""
+            if isinstance(self.datamodule, CharDataModule):
+                baseline = f"; unigram baseline {self.datamodule.unigram_cross_entropy():.2f}"
+            lines.append(f"final val_loss: {float(val):.4f} nats/char (step {trainer.global_step}{baseline})")
         monitors = [cb for cb in trainer.callbacks if isinstance(cb, PODMonitor)]
         for monitor in monitors:
             table = layer_table(monitor)

@@ -93,3 +93,18 @@ def test_custom_path_and_samples_per_epoch(tmp_path: Path) -> None:
     assert len(dm.val_dataloader().dataset) == (45 - 1) // 8
     with pytest.raises(ValueError):
         CharDataModule(val_fraction=1.0)
+
+
+def test_unigram_cross_entropy_is_the_literal_formula() -> None:
+    """-mean over validation characters of log((count_train(c) + 1) / (n_train + V)), by counting."""
+    import collections
+    import math
+
+    dm = CharDataModule(block_size=64, batch_size=4)
+    text = dm.text
+    n_train = int(len(text) * 0.9)
+    counts = collections.Counter(text[:n_train])
+    total = n_train + dm.vocab_size
+    literal = -sum(math.log((counts[c] + 1) / total) for c in text[n_train:]) / (len(text) - n_train)
+    assert dm.unigram_cross_entropy() == pytest.approx(literal, rel=1e-9)
+    assert 3.3 < literal < 3.4
