@@ -20,6 +20,9 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from .capture import CaptureAdapter, CapturedAttention, select_adapter
 from .engine import MemoryBudgetError, PODAccumulator, PODConfig, PODReport
+from .pruning.advisor import AdviceSettings, HeadAllocationAdvice, advise_from_reports
+from .pruning.readiness import AdviceReadiness
+from .pruning.redundancy import HeadRedundancy, HeadRedundancyAccumulator
 
 STATE_VERSION = 1
 
@@ -53,7 +56,14 @@ class PODMonitor(Callback):
             then Hugging Face, then ``torch.nn.MultiheadAttention``), an adapter name, a
             :class:`~podmonitor.capture.CaptureAdapter`, or a function
             ``fn(pl_module, batch) -> list[Tensor (B, H, T, T)]``.
-        per_head: also analyse each head's field (H times the work and memory).
+        per_head: also analyse each head's field (H times the work and memory), and with it the
+            redundancy of the heads of each layer, the head allocation advice (heads per layer
+            now, recommended under the same budget, heads to drop first; METHOD.md section 7) and
+            its readiness (drift of the dominant POD subspaces and of H* between runs); see
+            :mod:`podmonitor.pruning` and docs/pruning.md. Kept in ``last_advice``,
+            ``last_redundancy``, ``readiness``, the history and the JSON-lines record.
+        advice: settings of the head allocation advisor (default ``AdviceSettings()``; per_head only).
+        readiness: the readiness tracker (default ``AdviceReadiness(eps=advice.eps)``; per_head only).
         log_images: log pictures.
         images_every_n: pictures on every n-th monitored run, the first one included (default 2:
             drawing about five pictures per layer costs more than the analysis itself; set 1 for
@@ -85,6 +95,8 @@ class PODMonitor(Callback):
         output_dir: str | None = None,
         prefix: str = "pod",
         strict: bool = False,
+        advice: AdviceSettings | None = None,
+        readiness: AdviceReadiness | None = None,
     ) -> None:
         if not isinstance(n_snapshots, int) or n_snapshots < 3:
             raise ValueError(f"n_snapshots must be an int >= 3, got {n_snapshots!r}")
@@ -96,6 +108,15 @@ class PODMonitor(Callback):
             raise ValueError(f"config must be a PODConfig, got {type(config).__name__}")
         if not (isinstance(capture, (str, CaptureAdapter)) or callable(capture)):
             raise ValueError("capture must be 'auto', an adapter name, a CaptureAdapter or a function")
+        if advice is not None and not isinstance(advice, AdviceSettings):
+            raise ValueError(f"advice must be an AdviceSettings, got {type(advice).__name__}")
+        if readiness is not None and not isinstance(readiness, AdviceReadiness):
+            raise ValueError(f"readiness must be an AdviceReadiness, got {type(readiness).__name__}")
+        self.advice_settings = advice or AdviceSettings()
+        cfg_eps = (config or PODConfig()).eps
+        if per_head and not any(math.isclose(self.advice_settings.eps, e, rel_tol=1e-9) for e in cfg_eps):
+            raise ValueError(f"advice eps {self.advice_settings.eps} is not among PODConfig.eps {cfg_eps}")
+        self.readiness = readiness or (AdviceReadiness(eps=self.advice_settings.eps) if per_head else None)
         self.n_snapshots = n_snapshots
         self.every_n_validations = every_n_validations
         self.config = config or PODConfig()
@@ -111,6 +132,9 @@ class PODMonitor(Callback):
         self.validation_count = 0
         self.monitored_count = 0
         self.last_reports: dict[str, PODReport] = {}
+        self.last_redundancy: dict[str, HeadRedundancy] = {}
+        self.last_advice: HeadAllocationAdvice | None = None
+        self.last_readiness: dict[str, Any] | None = None
         self.timings: dict[str, float] = {}
         self._adapter: CaptureAdapter | None = None
         self._adapter_error: str | None = None
@@ -126,6 +150,8 @@ class PODMonitor(Callback):
         self._monitoring = False
         self._capturing = False
         self._accumulators: dict[str, PODAccumulator] = {}
+        self._redundancy: dict[str, HeadRedundancyAccumulator] = {}
+        self._active: dict[str, list[bool]] | None = None
         self._layer_names: list[str] = []
         self._seq_len: int | None = None
         self._taken = 0
@@ -234,6 +260,7 @@ class PODMonitor(Callback):
                 for name, f in zip(self._layer_names, captured.fields, strict=True):
                     for h in range(f.shape[1]):
                         self._accumulators[f"{name}/head_{h:02d}"] = PODAccumulator(config)
+                    self._redundancy[name] = HeadRedundancyAccumulator(config.dtype)
         elif list(captured.layer_names) != self._layer_names:
             raise ValueError("the captured layers changed between batches")
         n_seq, seq_len = captured.fields[0].shape[0], captured.fields[0].shape[-1]
@@ -257,6 +284,7 @@ class PODMonitor(Callback):
                 if self.per_head:
                     for h in range(sel.shape[1]):
                         self._accumulators[f"{name}/head_{h:02d}"].update(sel[:, h])
+                    self._redundancy[name].update(sel)
         except MemoryBudgetError as err:
             self._budget_hit = True
             self._skipped["budget"] += int(index.numel())
@@ -281,6 +309,9 @@ class PODMonitor(Callback):
         if rank != 0:
             self._reset_run()
             return
+        if self.per_head:
+            self._active = _active_heads(pl_module, self._layer_names or next(
+                (s["layer_names"] for s in states if s["layer_names"]), []))
         try:
             reports = self._merge_and_compute(states)
             t1 = time.perf_counter()
@@ -302,6 +333,7 @@ class PODMonitor(Callback):
         payload: dict[str, Any] = {
             "layer_names": self._layer_names,
             "accumulators": dict(self._accumulators),
+            "redundancy": dict(self._redundancy),
             "skipped": dict(self._skipped),
             "errors": list(self._run_errors),
             "monitoring": self._monitoring,
@@ -314,6 +346,7 @@ class PODMonitor(Callback):
             state = acc.state_dict()
             states[name] = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
         payload["accumulators"] = states
+        payload["redundancy"] = {name: acc.state_dict() for name, acc in self._redundancy.items()}
         gathered: list[Any] = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(gathered, payload)
         return gathered
@@ -347,7 +380,50 @@ class PODMonitor(Callback):
             if acc is not None:
                 reports[key] = acc.compute()
         self.last_reports = reports
+        self.last_redundancy = {}
+        if self.per_head:
+            self.last_redundancy = self._merge_redundancy(states)
         return reports
+
+    def _merge_redundancy(self, states: list[dict[str, Any]]) -> dict[str, HeadRedundancy]:
+        """Merge every process's head-redundancy sums and compute them (a failing layer is left out
+        with a note in the run's errors)."""
+        out: dict[str, HeadRedundancy] = {}
+        names = list(next((s["redundancy"] for s in states if s.get("redundancy")), {}).keys())
+        for name in names:
+            merged = HeadRedundancyAccumulator(self.config.dtype)
+            try:
+                for s in states:
+                    item = s.get("redundancy", {}).get(name)
+                    if item is None:
+                        continue
+                    if not isinstance(item, HeadRedundancyAccumulator):
+                        part = HeadRedundancyAccumulator(self.config.dtype)
+                        part.load_state_dict(item)
+                        item = part
+                    merged.merge(item)
+                out[name] = merged.compute()
+            except ValueError as err:
+                self._run_errors.append(f"head redundancy of {name}: {err}")
+        return out
+
+    def _advise(self, step: int, reports: dict[str, PODReport]) -> None:
+        """Head allocation advice and readiness of this run (per_head only); failures become notes."""
+        self.last_advice, self.last_readiness = None, None
+        try:
+            self.last_advice = advise_from_reports(reports, self._layer_names, self.last_redundancy,
+                                                   self.advice_settings, active=self._active)
+        except Exception as err:  # noqa: BLE001 - advice is optional; the reports still go out
+            if self.strict:
+                raise
+            self._run_errors.append(f"head allocation advice failed: {type(err).__name__}: {err}")
+        if self.readiness is not None:
+            try:
+                self.last_readiness = self.readiness.update(step, reports, self._layer_names, self.last_advice)
+            except Exception as err:  # noqa: BLE001
+                if self.strict:
+                    raise
+                self._run_errors.append(f"readiness tracking failed: {type(err).__name__}: {err}")
 
     @rank_zero_only
     def _report(self, trainer: Trainer, reports: dict[str, PODReport]) -> None:
@@ -356,6 +432,8 @@ class PODMonitor(Callback):
         if self._publisher is None:
             self._publisher = Publisher(self.run_dir(trainer), self.prefix)
         images = self.log_images and (self.monitored_count % self.images_every_n == 0)
+        if self.per_head:
+            self._advise(int(trainer.global_step), reports)
         summary = self._publisher.publish(
             loggers=trainer.loggers,
             reports=reports,
@@ -366,6 +444,9 @@ class PODMonitor(Callback):
             skipped=dict(self._skipped),
             errors=list(self._run_errors),
             timings=dict(self.timings),
+            head_allocation=self.last_advice,
+            head_redundancy=self.last_redundancy if self.per_head else None,
+            readiness=self.last_readiness,
         )
         self.monitored_count += 1
         self.history.append(summary)
@@ -386,6 +467,7 @@ class PODMonitor(Callback):
             "n_snapshots": self.n_snapshots,
             "every_n_validations": self.every_n_validations,
             "config": self.config.to_dict(),
+            "readiness": self.readiness.state_dict() if self.readiness is not None else None,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -396,6 +478,19 @@ class PODMonitor(Callback):
         self.history = list(state_dict.get("history", []))
         self.validation_count = int(state_dict.get("validation_count", 0))
         self.monitored_count = int(state_dict.get("monitored_count", 0))
+        if self.readiness is not None and state_dict.get("readiness"):
+            self.readiness.load_state_dict(state_dict["readiness"])
+
+
+def _active_heads(pl_module: LightningModule, layer_names: Sequence[str]) -> dict[str, list[bool]] | None:
+    """``{layer: (H,) bool}`` from the reference models' head masks (False: pruned head); None when
+    the model has no such masks or their count does not match the captured layers."""
+    from .models.gpt import CausalSelfAttention
+
+    masks = [m.head_mask for m in pl_module.modules() if isinstance(m, CausalSelfAttention)]
+    if not masks or len(masks) != len(layer_names):
+        return None
+    return {name: [bool(v != 0) for v in m.tolist()] for name, m in zip(layer_names, masks, strict=True)}
 
 
 def _replace(config: PODConfig, **changes: Any) -> PODConfig:

@@ -18,6 +18,11 @@ Attention has two code paths that compute the same function:
 
 In fp32 and eval mode the two paths agree to about 1e-6 (tested).
 
+Head mask: every attention layer holds a buffer ``head_mask`` (nh,) of ones; each head's
+output (B, nh, T, hs) is multiplied by it before the output projection, in both paths, so
+``attn.set_head_mask([1, 0, 1, 1])`` silences head 1 (reversibly: ``clear_head_mask()``). It
+is the xi of Michel et al. 2019 and what :mod:`podmonitor.pruning` uses to prune heads.
+
 Energy-Gated Attention (EGA), per head h (METHOD.md section 9):
 
     e_t  = w_h . x_t + b_h                      (x: the layer-normed block input)
@@ -188,6 +193,36 @@ class CausalSelfAttention(nn.Module):
         self.attn_dropout = nn.Dropout(config.dropout)
         self.resid_dropout = nn.Dropout(config.dropout)
         self.gate = EnergyGate(config) if config.attention == "ega" else None
+        # head mask xi_h (Michel et al. 2019): each head's output is multiplied by it before the
+        # output projection. Saved with the model; checkpoints without it load with all ones.
+        self.register_buffer("head_mask", torch.ones(config.n_head))  # (nh,)
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
+        # checkpoints written before the head mask existed: every head active
+        key = prefix + "head_mask"
+        if key not in state_dict:
+            state_dict[key] = torch.ones_like(self.head_mask)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def set_head_mask(self, mask: torch.Tensor | list[float]) -> None:
+        """Set the head mask xi, (nh,): 1 keeps a head, 0 silences it (its output never reaches
+        ``c_proj``); values in between scale it. Gradients do not flow into the buffer."""
+        mask = torch.as_tensor(mask, dtype=self.head_mask.dtype, device=self.head_mask.device)
+        if mask.shape != (self.n_head,):
+            raise ValueError(f"head mask must have shape ({self.n_head},), got {tuple(mask.shape)}")
+        if not torch.isfinite(mask).all():
+            raise ValueError("head mask must be finite")
+        self.head_mask.copy_(mask)
+
+    def clear_head_mask(self) -> None:
+        """Every head active again (mask of ones)."""
+        self.head_mask.fill_(1.0)
+
+    def apply_head_mask(self, y: torch.Tensor) -> torch.Tensor:
+        """y (B, nh, T, hs) times the head mask: (nh,) for every sequence, or (B, nh) per sequence
+        (the form used to take per-example gradients with respect to xi)."""
+        m = self.head_mask
+        return y * m.reshape(*m.shape, 1, 1).to(y.dtype)  # (nh, 1, 1) or (B, nh, 1, 1)
 
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queries, keys, values, each (B, nh, T, hs), from the layer-normed input x (B, T, C)."""
@@ -225,7 +260,7 @@ class CausalSelfAttention(nn.Module):
                 mask = log_g.masked_fill(~causal, float("-inf"))  # (B, nh, T, T): causal + log g
                 mask = mask.to(q.dtype)  # the fused kernels want a mask of the query's dtype
                 y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
-            return self.merge_heads(y), None
+            return self.merge_heads(self.apply_head_mask(y)), None
 
         # explicit (math) path: materialise the probabilities
         causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()  # (T, T)
@@ -235,7 +270,7 @@ class CausalSelfAttention(nn.Module):
         att = att.masked_fill(~causal, float("-inf"))
         att = F.softmax(att, dim=-1)  # (B, nh, T, T), rows sum to 1
         y = self.attn_dropout(att) @ v  # (B, nh, T, T) x (B, nh, T, hs) -> (B, nh, T, hs)
-        return self.merge_heads(y), att
+        return self.merge_heads(self.apply_head_mask(y)), att
 
 
 class MLP(nn.Module):

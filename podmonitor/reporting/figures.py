@@ -37,6 +37,7 @@ from ..engine.report import PODReport, ScaleReport
 __all__ = [
     "coherency_figure",
     "figure_to_array",
+    "head_allocation_figure",
     "layer_images",
     "modes_figure",
     "scalogram_figure",
@@ -535,6 +536,47 @@ def coherency_figure(report: PODReport, *, title: str | None = None) -> Figure |
 
 # --------------------------------------------------------------------------------------------
 # rendering
+
+
+# --------------------------------------------------------------------------------------------
+# head allocation
+
+
+def head_allocation_figure(advice: Any, *, title: str | None = None) -> Figure:
+    """Bar chart of a head allocation advice: heads per layer now and recommended, H*(eps) on top.
+
+    Args:
+        advice: a :class:`~podmonitor.pruning.HeadAllocationAdvice` (or anything with ``eps`` and
+            ``layers`` rows holding ``layer``, ``heads_now``, ``recommended``, ``effective_rank``,
+            ``saturated``).
+
+    Returns:
+        The figure; an advice without layers gives axes that say so.
+    """
+    fig = _new_figure((7.0, 4.0))
+    eps = getattr(advice, "eps", math.nan)
+    _title(fig, title, f"heads per layer: now vs recommended (same budget, H*({_fmt(eps, 'g')}))")
+    ax = fig.add_axes(_rect(fig, 0.7, 0.9, 0.2, 0.45))
+    rows = list(getattr(advice, "layers", []) or [])
+    if not rows:
+        _message(ax, ["no layer in the advice"])
+        return fig
+    x = np.arange(len(rows), dtype=np.float64)
+    now = [float(r.heads_now) for r in rows]
+    rec = [float(r.recommended) for r in rows]
+    ax.bar(x - 0.2, now, width=0.4, color="C0", label="heads now", gid="bars:now")
+    ax.bar(x + 0.2, rec, width=0.4, color="C1", label="recommended", gid="bars:recommended")
+    top = max(now + rec + [1.0])
+    for i, r in enumerate(rows):
+        hstar = "n/a" if r.effective_rank is None else f"{r.effective_rank}{'*' if r.saturated else ''}"
+        ax.text(x[i], max(now[i], rec[i]) + 0.03 * top, f"H*={hstar}", ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(x)
+    ax.set_xticklabels([str(r.layer) for r in rows], rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("heads")
+    ax.set_ylim(0, 1.2 * top)
+    ax.legend(fontsize=8, loc="upper right", title="* saturated", title_fontsize=7)
+    ax.grid(True, axis="y", alpha=0.3)
+    return fig
 
 
 def figure_to_array(fig: Figure) -> np.ndarray:

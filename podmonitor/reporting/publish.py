@@ -9,14 +9,15 @@ to the sinks of the trainer's loggers (:mod:`.sinks`).
 from __future__ import annotations
 
 import datetime as _dt
+import math
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..engine.report import PODReport
-from .figures import figure_to_array, layer_images, scale_organisation_figure
+from .figures import figure_to_array, head_allocation_figure, layer_images, scale_organisation_figure
 from .scalars import layer_scalars, summary_markdown
-from .sinks import JSONLinesWriter, ReportSink, sinks_for_loggers
+from .sinks import JSONLinesWriter, ReportSink, sinks_for_loggers, strict_jsonable
 
 JSONL_NAME = "podmonitor.jsonl"
 
@@ -60,8 +61,17 @@ class Publisher:
 
     def publish(self, *, loggers: Any, reports: Mapping[str, PODReport], layer_names: Sequence[str], step: int,
                 epoch: int, images: bool, skipped: Mapping[str, int], errors: Sequence[str],
-                timings: Mapping[str, float]) -> dict[str, Any]:
-        """Write everything for one monitored validation run; returns the history entry."""
+                timings: Mapping[str, float], head_allocation: Any = None,
+                head_redundancy: Mapping[str, Any] | None = None,
+                readiness: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """Write everything for one monitored validation run; returns the history entry.
+
+        ``head_allocation`` (a :class:`~podmonitor.pruning.HeadAllocationAdvice`), ``head_redundancy``
+        (``{layer: HeadRedundancy}``) and ``readiness`` (the record of
+        :meth:`~podmonitor.pruning.AdviceReadiness.update`) come with the per-head analysis; each
+        adds its part to the record, the scalars, the text, the pictures and a table
+        (:func:`pruning_outputs`).
+        """
         p = self.prefix
         record: dict[str, Any] = {
             "step": step,
@@ -72,6 +82,12 @@ class Publisher:
             "timings": dict(timings),
             "layers": {name: rep.to_dict() for name, rep in reports.items()},
         }
+        if head_allocation is not None:
+            record["head_allocation"] = head_allocation.to_dict()
+        if head_redundancy:
+            record["head_redundancy"] = {name: red.to_dict() for name, red in head_redundancy.items()}
+        if readiness is not None:
+            record["readiness"] = strict_jsonable(dict(readiness))
         # the record is on disk before anything else can fail
         self.jsonl.append(record)
 
@@ -95,6 +111,9 @@ class Publisher:
         text = summary_markdown(layer_reports, present, step=step) if layer_reports else ""
         if errors:
             text += "\n\n**Problems in this run:**\n\n" + "\n".join(f"- {e}" for e in errors)
+        extra = pruning_outputs(head_allocation, head_redundancy, readiness, prefix=p, images=images)
+        scalars.update(extra["scalars"])
+        pictures.update(extra["images"])
 
         for sink in self.sinks(loggers, layer_names):
             sink.log_scalars(scalars, step)
@@ -102,12 +121,68 @@ class Publisher:
                 sink.log_images(pictures, step)
             if text:
                 sink.log_text(f"{p}/summary", text, step)
+            if extra["text"]:
+                sink.log_text(f"{p}/head_allocation", extra["text"], step)
+            if extra["table"] is not None:
+                sink.log_table(f"{p}/head_allocation_table", *extra["table"], step)
             sink.flush()
-        return {
+        entry: dict[str, Any] = {
             "step": step,
             "epoch": epoch,
             "skipped": dict(skipped),
             "errors": list(errors),
             "layers": {name: headline(rep) for name, rep in reports.items()},
         }
+        for key in ("head_allocation", "readiness"):
+            if key in record:
+                entry[key] = record[key]
+        return entry
+
+
+def pruning_outputs(head_allocation: Any, head_redundancy: Mapping[str, Any] | None,
+                    readiness: Mapping[str, Any] | None, *, prefix: str = "pod", images: bool = True
+                    ) -> dict[str, Any]:
+    """Scalars, text, pictures and table of the head allocation advice, redundancy and readiness.
+
+    Scalars: ``<p>/heads_now/<layer>``, ``<p>/heads_recommended/<layer>``,
+    ``<p>/head_redundancy/<layer>/head_<h>`` (largest field similarity with another head),
+    ``<p>/subspace_drift/<layer>``, ``<p>/h_eps_drift/<layer>``, ``<p>/run/advice_stable`` (1 / 0),
+    ``<p>/run/settled_runs``. Text: the advice's markdown and the readiness line. Picture:
+    ``<p>/head_allocation`` (:func:`~podmonitor.reporting.figures.head_allocation_figure`).
+
+    Returns:
+        ``{"scalars": {...}, "text": str, "images": {...}, "table": (columns, rows) or None}``.
+    """
+    scalars: dict[str, float] = {}
+    text = ""
+    pictures: dict[str, Any] = {}
+    table = None
+    if head_allocation is not None:
+        for row in head_allocation.layers:
+            scalars[f"{prefix}/heads_now/{row.layer}"] = float(row.heads_now)
+            scalars[f"{prefix}/heads_recommended/{row.layer}"] = float(row.recommended)
+        text = head_allocation.markdown()
+        table = head_allocation.table()
+        if images:
+            pictures[f"{prefix}/head_allocation"] = figure_to_array(head_allocation_figure(head_allocation))
+    for layer, red in (head_redundancy or {}).items():
+        for h in range(red.n_heads):
+            _, sim = red.most_similar(h)
+            scalars[f"{prefix}/head_redundancy/{layer}/head_{h:02d}"] = float(sim)
+    if readiness is not None:
+        for layer, v in readiness.get("layers", {}).items():
+            scalars[f"{prefix}/subspace_drift/{layer}"] = _float(v.get("subspace_drift"))
+            scalars[f"{prefix}/h_eps_drift/{layer}"] = _float(v.get("h_drift"))
+        scalars[f"{prefix}/run/advice_stable"] = 1.0 if readiness.get("stable") else 0.0
+        scalars[f"{prefix}/run/settled_runs"] = float(readiness.get("settled_runs", 0))
+        line = f"**readiness:** {readiness.get('reason', '')}"
+        text = f"{text}\n{line}\n" if text else line + "\n"
+    return {"scalars": scalars, "text": text, "images": pictures, "table": table}
+
+
+def _float(x: Any) -> float:
+    try:
+        return math.nan if x is None else float(x)
+    except (TypeError, ValueError):
+        return math.nan
 

@@ -82,6 +82,10 @@ class ReportSink(ABC):
     def log_text(self, tag: str, markdown: str, step: int) -> None:
         """Log a markdown text under ``tag`` at ``step``."""
 
+    def log_table(self, tag: str, columns: Sequence[str], rows: Sequence[Sequence[Any]], step: int) -> None:  # noqa: B027
+        """Log a table (e.g. the head allocation advice). Default: nothing (the same content is
+        logged as markdown text); W&B logs a ``wandb.Table``, the PNG sink a CSV file."""
+
     def flush(self) -> None:  # noqa: B027 - optional hook
         """Push buffered data to disk / the service."""
 
@@ -236,9 +240,24 @@ class WandbSink(ReportSink):
 
         self._log({tag: wandb.Html(f"<pre>{html.escape(markdown)}</pre>")}, _check_step(step))
 
+    def log_table(self, tag: str, columns: Sequence[str], rows: Sequence[Sequence[Any]], step: int) -> None:
+        import wandb
+
+        data = [[_table_cell(v) for v in row] for row in rows]
+        self._log({tag: wandb.Table(columns=list(columns), data=data)}, _check_step(step))
+
     def close(self) -> None:
         if self.owns_run:
             self.run.finish()
+
+
+def _table_cell(v: Any) -> Any:
+    """A table cell W&B accepts: numbers, strings, bools; None for missing / non-finite values."""
+    if v is None or isinstance(v, (bool, int, str)):
+        return v
+    if isinstance(v, float):
+        return v if math.isfinite(v) else None
+    return str(v)
 
 
 # --------------------------------------------------------------------------------------------
@@ -267,6 +286,7 @@ class PNGSink(ReportSink):
         <directory>/scalars.csv            step,tag,value (appended; header written once)
         <directory>/<step>/<tag>.png       one image per tag and step (tag via safe_filename)
         <directory>/<step>/<tag>.md        text
+        <directory>/<step>/<tag>.csv       tables (:meth:`log_table`)
 
     Every write is flushed and fsynced at once: nothing is lost if training dies later.
 
@@ -308,6 +328,15 @@ class PNGSink(ReportSink):
         d = self._step_dir(step) if images else None
         for tag, img in images.items():
             imsave(d / f"{safe_filename(tag)}.png", img, format="png")
+
+    def log_table(self, tag: str, columns: Sequence[str], rows: Sequence[Sequence[Any]], step: int) -> None:
+        path = self._step_dir(_check_step(step)) / f"{safe_filename(tag)}.csv"
+        with open(path, "w", newline="", encoding="utf-8") as f:
+            w = csv.writer(f)
+            w.writerow(list(columns))
+            w.writerows([["" if v is None else v for v in row] for row in rows])
+            f.flush()
+            os.fsync(f.fileno())
 
     def log_text(self, tag: str, markdown: str, step: int) -> None:
         path = self._step_dir(_check_step(step)) / f"{safe_filename(tag)}.md"

@@ -1,0 +1,375 @@
+"""The pruning action: :class:`HeadPruning`, a Lightning callback that masks heads mid-training.
+
+It prunes once, at the first training batch at or after ``at_step`` optimiser steps, or (with
+``when_ready=True``) at the first training batch after a validation run in which
+:class:`~podmonitor.PODMonitor`'s readiness signal said "stable" (both: whichever comes first).
+The heads come from a strategy:
+
+* ``"advice"``: the first ``n_heads`` of the monitor's drop order (``PODMonitor(per_head=True)``;
+  the advice is also read from the monitor's checkpointed history after a resume);
+* ``"random"``: ``n_heads`` heads drawn uniformly (seeded), each layer keeping ``min_heads``;
+* ``"michel"``: the lowest gradient importance of Michel et al. 2019 on the first
+  ``importance_batches`` validation batches (reference models only);
+* a mapping ``{layer index: [heads]}``, or a function ``fn(trainer, pl_module) -> mapping``.
+
+Training goes on with the heads masked (:class:`~podmonitor.pruning.masking.HeadMasker`):
+reversible with :meth:`HeadPruning.restore` until :meth:`HeadPruning.make_permanent` (or
+``make_permanent_at_end=True``). What it did is logged as text and scalars to every logger, kept in
+``actions`` (checkpointed) and appended to ``<output_dir>/pruning.jsonl``. In DDP the heads are
+chosen on rank 0 and broadcast, so every process masks the same heads.
+
+Like the monitor it never stops training unless ``strict=True``: a failure becomes one warning and
+the callback tries again at the next trigger.
+
+Example:
+    >>> monitor = PODMonitor(per_head=True)
+    >>> pruning = HeadPruning(n_heads=4, when_ready=True, at_step=4000)
+    >>> trainer = Trainer(callbacks=[monitor, pruning])
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import random
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+
+from ..reporting.sinks import JSONLinesWriter, sinks_for_loggers
+from .advisor import HeadAllocationAdvice
+from .importance import lowest_importance_heads, michel_head_importance
+from .masking import HeadMasker
+
+Heads = dict[int, list[int]]
+Strategy = str | Mapping[int, Any] | Callable[[Trainer, LightningModule], Mapping[int, Any]]
+STATE_VERSION = 1
+
+
+class PruningWarning(UserWarning):
+    """A problem inside the pruning callback that did not stop training."""
+
+
+def random_heads(n_heads: list[int], n: int, seed: int, min_heads: int = 1) -> Heads:
+    """``n`` heads drawn uniformly without replacement among those that keep ``min_heads`` per layer.
+
+    Draws head after head; a head whose layer is already down to ``min_heads`` is skipped.
+
+    Raises:
+        ValueError: fewer than ``n`` heads can be pruned.
+    """
+    rng = random.Random(seed)
+    pool = [(layer, h) for layer, k in enumerate(n_heads) for h in range(k)]
+    rng.shuffle(pool)
+    left = list(n_heads)
+    out: Heads = {}
+    for layer, h in pool:
+        if sum(map(len, out.values())) == n:
+            break
+        if left[layer] - 1 >= min_heads:
+            out.setdefault(layer, []).append(h)
+            left[layer] -= 1
+    if sum(map(len, out.values())) < n:
+        raise ValueError(f"cannot prune {n} heads keeping {min_heads} per layer")
+    return {k: sorted(v) for k, v in sorted(out.items())}
+
+
+def advice_heads(advice: HeadAllocationAdvice | Mapping[str, Any], n: int) -> Heads:
+    """The first ``n`` heads of an advice's drop order (an advice object or its ``to_dict()``).
+
+    Raises:
+        ValueError: the drop order holds fewer than ``n`` heads.
+    """
+    if isinstance(advice, HeadAllocationAdvice):
+        return advice.heads_to_prune(n)
+    order = list(advice.get("drop_order", []))
+    if n > len(order):
+        raise ValueError(f"the advice can drop {len(order)} heads, asked for {n}")
+    out: Heads = {}
+    for d in order[:n]:
+        out.setdefault(int(d["layer_index"]), []).append(int(d["head"]))
+    return {k: sorted(v) for k, v in sorted(out.items())}
+
+
+def find_monitor(trainer: Trainer) -> Any:
+    """The trainer's PODMonitor, or None."""
+    from ..callback import PODMonitor
+
+    found = [cb for cb in trainer.callbacks if isinstance(cb, PODMonitor)]  # type: ignore[attr-defined]
+    return found[0] if found else None
+
+
+def latest_advice(monitor: Any) -> HeadAllocationAdvice | Mapping[str, Any] | None:
+    """The monitor's newest advice: its live object, else the last one in its (checkpointed) history."""
+    if monitor is None:
+        return None
+    if getattr(monitor, "last_advice", None) is not None:
+        return monitor.last_advice
+    for entry in reversed(getattr(monitor, "history", [])):
+        if entry.get("head_allocation"):
+            return entry["head_allocation"]
+    return None
+
+
+class HeadPruning(Callback):
+    """Mask attention heads once during training (see the module docstring).
+
+    Args:
+        n_heads: how many heads to prune (ignored by an explicit mapping).
+        at_step: prune at the first training batch with ``trainer.global_step >= at_step``.
+        when_ready: prune after the first monitored validation run whose readiness says "stable".
+        strategy: "advice", "random", "michel", a mapping ``{layer index: [heads]}`` or a function.
+        monitor: the PODMonitor giving the advice and the readiness (default: found among the
+            trainer's callbacks).
+        seed: seed of the random strategy.
+        min_heads: heads every layer keeps (random and michel strategies).
+        importance_batches: validation batches used by the michel strategy.
+        make_permanent_at_end: make the pruning permanent when fitting ends.
+        output_dir: folder of ``pruning.jsonl`` (default: the monitor's run directory, else
+            ``<log_dir or default_root_dir>/podmonitor``).
+        prefix: tag prefix of the logged text and scalars.
+        strict: re-raise errors instead of warning.
+
+    Raises:
+        ValueError: invalid arguments (no trigger, bad strategy, negative counts).
+    """
+
+    def __init__(self, n_heads: int = 0, *, at_step: int | None = None, when_ready: bool = False,
+                 strategy: Strategy = "advice", monitor: Any = None, seed: int = 0, min_heads: int = 1,
+                 importance_batches: int = 8, make_permanent_at_end: bool = False, output_dir: str | None = None,
+                 prefix: str = "pod", strict: bool = False) -> None:
+        if at_step is None and not when_ready:
+            raise ValueError("give at_step, when_ready=True, or both")
+        if at_step is not None and (not isinstance(at_step, int) or at_step < 0):
+            raise ValueError(f"at_step must be an int >= 0, got {at_step!r}")
+        if isinstance(strategy, str) and strategy not in ("advice", "random", "michel"):
+            raise ValueError(f"strategy must be 'advice', 'random', 'michel', a mapping or a function, "
+                             f"got {strategy!r}")
+        if not (isinstance(strategy, (str, Mapping)) or callable(strategy)):
+            raise ValueError("strategy must be 'advice', 'random', 'michel', a mapping or a function")
+        if isinstance(strategy, str) and (not isinstance(n_heads, int) or n_heads < 1):
+            raise ValueError(f"n_heads must be an int >= 1, got {n_heads!r}")
+        if min_heads < 1 or importance_batches < 1:
+            raise ValueError("min_heads and importance_batches must be >= 1")
+        self.n_heads = n_heads
+        self.at_step = at_step
+        self.when_ready = when_ready
+        self.strategy = strategy
+        self.monitor = monitor
+        self.seed = seed
+        self.min_heads = min_heads
+        self.importance_batches = importance_batches
+        self.make_permanent_at_end = make_permanent_at_end
+        self.output_dir = output_dir
+        self.prefix = prefix
+        self.strict = strict
+        self.actions: list[dict[str, Any]] = []
+        self.done = False
+        self.masker: HeadMasker | None = None
+        self._ready_seen = False
+        self._loaded_masker_state: dict[str, Any] | None = None
+        self._writer: JSONLinesWriter | None = None
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(at_step=self.at_step, when_ready=self.when_ready)
+
+    # ------------------------------------------------------------------ helpers
+    def _monitor(self, trainer: Trainer) -> Any:
+        return self.monitor if self.monitor is not None else find_monitor(trainer)
+
+    def _run_dir(self, trainer: Trainer) -> str:
+        if self.output_dir is not None:
+            return self.output_dir
+        mon = self._monitor(trainer)
+        if mon is not None:
+            return mon.run_dir(trainer)
+        return os.path.join(trainer.log_dir or trainer.default_root_dir, "podmonitor")
+
+    def _warn(self, where: str, err: BaseException) -> None:
+        if self.strict:
+            raise err
+        warnings.warn(f"HeadPruning: {where} failed ({type(err).__name__}: {err}); training goes on",
+                      PruningWarning, stacklevel=2)
+
+    def select(self, trainer: Trainer, pl_module: LightningModule, masker: HeadMasker) -> tuple[Heads, str]:
+        """(heads to prune, evidence text) by the strategy."""
+        s = self.strategy
+        if isinstance(s, Mapping):
+            return {int(k): [int(h) for h in v] for k, v in s.items()}, "explicit heads"
+        if callable(s) and not isinstance(s, str):
+            heads = s(trainer, pl_module)
+            return {int(k): [int(h) for h in v] for k, v in heads.items()}, f"function {getattr(s, '__name__', s)}"
+        if s == "random":
+            return random_heads(masker.n_heads, self.n_heads, self.seed, self.min_heads), f"random, seed {self.seed}"
+        if s == "michel":
+            loaders = trainer.val_dataloaders
+            loader = loaders[0] if isinstance(loaders, (list, tuple)) else loaders
+            if loader is None:
+                dm = getattr(trainer, "datamodule", None)
+                loader = dm.val_dataloader() if dm is not None else None
+            if loader is None:
+                raise ValueError("the michel strategy needs a validation dataloader")
+            batches = []
+            for i, batch in enumerate(loader):
+                if i >= self.importance_batches:
+                    break
+                batches.append(tuple(t.to(pl_module.device) for t in batch))
+            scores = michel_head_importance(pl_module, batches)
+            heads = lowest_importance_heads(scores, self.n_heads, exclude=masker.pruned, min_heads=self.min_heads)
+            text = "michel importance (per-layer l2-normalised): " + ", ".join(
+                f"L{k}h{h}={float(scores[k, h]):.3f}" for k, hs in heads.items() for h in hs)
+            return heads, text
+        advice = latest_advice(self._monitor(trainer))
+        if advice is None:
+            raise ValueError("no head allocation advice yet (PODMonitor(per_head=True) must have run)")
+        heads = advice_heads(advice, self.n_heads)
+        order = advice.drop_order if isinstance(advice, HeadAllocationAdvice) else advice["drop_order"]
+        lines = []
+        for d in order[: self.n_heads]:
+            get = (lambda k, d=d: getattr(d, k)) if isinstance(advice, HeadAllocationAdvice) else d.get
+            lines.append(f"{get('layer')} head {get('head')} ({get('reason')}): {get('evidence')}")
+        return heads, "podmonitor advice:\n" + "\n".join(f"- {line}" for line in lines)
+
+    # ------------------------------------------------------------------ hooks
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        try:
+            self.masker = HeadMasker(pl_module)
+        except Exception as err:  # noqa: BLE001
+            self.masker = None
+            self._warn("finding attention heads to mask", err)
+            return
+        if self._loaded_masker_state is not None:
+            self.masker.load_state_dict(self._loaded_masker_state)
+            self._loaded_masker_state = None
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.sanity_checking or not self.when_ready or self.done:
+            return
+        mon = self._monitor(trainer)
+        readiness = getattr(mon, "readiness", None)
+        self._ready_seen = bool(readiness is not None and readiness.stable)
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if self.done or self.masker is None:
+            return
+        by_step = self.at_step is not None and trainer.global_step >= self.at_step
+        ready = self.when_ready and self._ready_seen
+        if self.when_ready and trainer.world_size > 1:
+            ready = bool(trainer.strategy.broadcast(ready, src=0))
+        if not (by_step or ready):
+            return
+        self.prune_now(trainer, pl_module, trigger=f"step {trainer.global_step}" if by_step else "readiness: stable")
+
+    def prune_now(self, trainer: Trainer, pl_module: LightningModule, trigger: str = "manual") -> Heads:
+        """Choose (rank 0), broadcast and mask the heads now; returns what was masked ({} on failure)."""
+        assert self.masker is not None
+        try:
+            heads, evidence = self.select(trainer, pl_module, self.masker) if trainer.global_rank == 0 else ({}, "")
+        except Exception as err:  # noqa: BLE001
+            heads, evidence = {}, f"error: {type(err).__name__}: {err}"
+            if trainer.world_size == 1:
+                self._warn("choosing heads", err)
+                return {}
+        if trainer.world_size > 1:
+            heads, evidence = trainer.strategy.broadcast((heads, evidence), src=0)
+        if not heads:
+            if trainer.world_size > 1 and evidence.startswith("error"):
+                self._warn("choosing heads", RuntimeError(evidence))
+            return {}
+        try:
+            new = self.masker.apply(heads)
+        except Exception as err:  # noqa: BLE001
+            self._warn("masking heads", err)
+            return {}
+        self.done = True
+        self._record(trainer, "prune", trigger, new, evidence)
+        return new
+
+    def _record(self, trainer: Trainer, action: str, trigger: str, heads: Heads, evidence: str) -> None:
+        assert self.masker is not None
+        entry = {
+            "action": action,
+            "step": int(trainer.global_step),
+            "epoch": int(trainer.current_epoch),
+            "time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "trigger": trigger,
+            "strategy": self.strategy if isinstance(self.strategy, str) else "explicit",
+            "heads": {str(k): v for k, v in heads.items()},
+            "pruned_total": {str(k): v for k, v in self.masker.pruned.items()},
+            "n_pruned": sum(len(v) for v in self.masker.pruned.values()),
+            "permanent": self.masker.permanent,
+            "model": self.masker.kind,
+            "evidence": evidence,
+        }
+        self.actions.append(entry)
+        if trainer.global_rank != 0:
+            return
+        try:
+            if self._writer is None:
+                self._writer = JSONLinesWriter(os.path.join(self._run_dir(trainer), "pruning.jsonl"))
+            self._writer.append(entry)
+            heads_text = "; ".join(f"layer {k}: heads {v}" for k, v in heads.items()) or "none"
+            text = (f"### head pruning: {action} at step {entry['step']} ({trigger})\n\n"
+                    f"- heads: {heads_text}\n- pruned in total: {entry['n_pruned']}\n"
+                    f"- permanent: {entry['permanent']}\n- strategy: {entry['strategy']}\n\n{evidence}\n")
+            p = self.prefix
+            scalars = {f"{p}/pruning/n_pruned": float(entry["n_pruned"])}
+            for i, active in enumerate(self.masker.active()):
+                scalars[f"{p}/heads_active/layer_{i:02d}"] = float(sum(active))
+            for sink in sinks_for_loggers(trainer.loggers, os.path.join(self._run_dir(trainer), "images"), prefix=p):
+                sink.log_scalars(scalars, entry["step"])
+                sink.log_text(f"{p}/pruning", text, entry["step"])
+                sink.flush()
+        except Exception as err:  # noqa: BLE001
+            self._warn("logging the pruning", err)
+
+    def restore(self, trainer: Trainer | None = None) -> None:
+        """Give every pruned head back (see :meth:`HeadMasker.restore`); the callback may prune again."""
+        if self.masker is None:
+            return
+        before = {k: list(v) for k, v in self.masker.pruned.items()}
+        self.masker.restore()
+        self.done = False
+        self._ready_seen = False
+        if trainer is not None:
+            self._record(trainer, "restore", "manual", before, "heads restored")
+
+    def make_permanent(self, trainer: Trainer | None = None) -> None:
+        """End reversibility (see :meth:`HeadMasker.make_permanent`)."""
+        if self.masker is None or not self.masker.pruned:
+            return
+        self.masker.make_permanent()
+        if trainer is not None:
+            self._record(trainer, "make_permanent", "manual", dict(self.masker.pruned), "pruning made permanent")
+
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.make_permanent_at_end and self.masker is not None and self.masker.pruned and not self.masker.permanent:
+            self.make_permanent(trainer)
+
+    # ------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "version": STATE_VERSION,
+            "actions": list(self.actions),
+            "done": self.done,
+            "masker": self.masker.state_dict() if self.masker is not None else None,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if state_dict.get("version") != STATE_VERSION:
+            warnings.warn("HeadPruning: unknown checkpoint state version, not restored", PruningWarning, stacklevel=2)
+            return
+        self.actions = list(state_dict.get("actions", []))
+        self.done = bool(state_dict.get("done", False))
+        masker_state = state_dict.get("masker")
+        if masker_state is not None:
+            if self.masker is not None:
+                self.masker.load_state_dict(masker_state)
+            else:
+                self._loaded_masker_state = masker_state
+
+
+__all__ = ["HeadPruning", "PruningWarning", "advice_heads", "find_monitor", "latest_advice", "random_heads"]
