@@ -1,6 +1,7 @@
 """podmonitor: watch the attention of a transformer while it trains (scale-selective POD)."""
 
 from .engine import (
+    FrequentDirections,
     MemoryBudgetError,
     PODAccumulator,
     PODConfig,
@@ -23,6 +24,7 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'podmonitor' has no attribute {name!r}")
 
 __all__ = [
+    "FrequentDirections",
     "MemoryBudgetError",
     "PODAccumulator",
     "PODConfig",

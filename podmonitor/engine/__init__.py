@@ -4,8 +4,10 @@ from .accumulator import MemoryBudgetError, PODAccumulator, estimate_memory
 from .analyze import analyze
 from .config import PODConfig, default_scales
 from .report import PODReport, ScaleReport
+from .sketch import FrequentDirections
 
 __all__ = [
+    "FrequentDirections",
     "MemoryBudgetError",
     "PODAccumulator",
     "PODConfig",

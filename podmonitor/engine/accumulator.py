@@ -10,7 +10,11 @@ State, for a field of length L and N snapshots kept so far:
   else, so they are exact at any N with O(L^2) state;
 * the snapshots themselves in lag-band form (N x P, P <= L (L + 1) / 2 for causal fields): exact
   POD by the method of snapshots needs them, because the dominant scales, the mean and
-  therefore the fluctuations are only known at the end;
+  therefore the fluctuations are only known at the end ("exact" mode);
+  or, in "sketch" mode, a centred Frequent Directions sketch of them (2 l x P, whatever N; see
+  :mod:`podmonitor.engine.sketch`), with the exact per-entry variance so that energies stay exact;
+  "auto" mode (default) is exact while the snapshots fit in the memory budget and switches to
+  the sketch when they would not;
 * the sum of row entropies (L,).
 
 The cost of ``update`` depends on the batch only (a lag gather, one blocked L x L moment
@@ -41,10 +45,11 @@ from .lags import (
 )
 from .pod import fix_signs, mode_lag_profiles, snapshot_pod
 from .report import PODReport, ScaleReport
+from .sketch import FrequentDirections, sketch_pod
 from .spectrum import effective_rank, spectral_fit
 from .wavelets import dominant_scale_indices, scale_centroid, scalogram_from_moment
 
-STATE_VERSION = 1
+STATE_VERSION = 2  # version 1 (exact only) states still load
 
 #: Size of one sub-batch of fields processed at a time by ``update`` (bytes).
 UPDATE_BYTES = 32 * 2**20
@@ -71,8 +76,48 @@ def band_lags(config: PODConfig, seq_len: int) -> int:
     return seq_len if math.isinf(support) else min(seq_len, int(math.floor(support)) + 1)
 
 
+def _band_size(seq_len: int, band: int, causal: bool) -> int:
+    """P, the entries of the lag band (lags below ``band``)."""
+    return sum((seq_len - t) * (1 if causal or t == 0 else 2) for t in range(band))
+
+
+def _fixed_state_bytes(seq_len: int, config: PODConfig, causal: bool) -> int:
+    """State that does not grow with N: mean field, lag moments (L, L) and entropy sums (L,)."""
+    itemsize = torch.empty((), dtype=config.dtype).element_size()
+    return (2 if causal else 3) * seq_len * seq_len * itemsize + seq_len * itemsize
+
+
+def _streamed_coherency(config: PODConfig) -> bool:
+    """In sketch mode the coherency is accumulated as the snapshots arrive, at a fixed scale only."""
+    return config.coherency and config.coherency_scale is not None
+
+
+def sketch_rank_for(seq_len: int, config: PODConfig, causal: bool = True, *, auto: bool | None = None) -> int:
+    """l, the rows of the sketch for length L under ``config`` (0 when no sketch fits the budget).
+
+    Explicit ``sketch_rank`` wins. Otherwise, with a budget, the rows that fit after the O(L^2)
+    state: all of them (as 2 l) in "sketch" mode, half of them in "auto" mode (so that the exact
+    phase before the switch can use the other half; the switch then needs no approximation);
+    without a budget, ``4 * k_fit``. In "auto" mode a sketch below ``2 * k_fit`` rows is not
+    used (0 is returned: the accumulator refuses instead, as in "exact" mode).
+    """
+    auto = config.mode == "auto" if auto is None else auto
+    budget = config.memory_budget_bytes
+    itemsize = torch.empty((), dtype=config.dtype).element_size()
+    s_itemsize = torch.empty((), dtype=config.resolved_storage_dtype).element_size()
+    p = _band_size(seq_len, band_lags(config, seq_len), causal)
+    if budget is None:
+        return config.sketch_rank or 4 * config.k_fit
+    coh = 3 * seq_len * seq_len * itemsize if _streamed_coherency(config) else 0
+    free_rows = (budget - _fixed_state_bytes(seq_len, config, causal) - coh - 2 * p * itemsize) // (p * s_itemsize)
+    rank = config.sketch_rank or int(free_rows // (4 if auto else 2))
+    if 2 * rank > free_rows or rank < 1 or (auto and config.sketch_rank is None and rank < 2 * config.k_fit):
+        return 0
+    return rank
+
+
 def estimate_memory(seq_len: int, n_snapshots: int, config: PODConfig | None = None,
-                    causal: bool = True) -> dict[str, int]:
+                    causal: bool = True, mode: str | None = None) -> dict[str, int]:
     """Bytes the accumulator needs for one layer.
 
     Args:
@@ -80,27 +125,116 @@ def estimate_memory(seq_len: int, n_snapshots: int, config: PODConfig | None = N
         n_snapshots: N.
         config: the engine configuration.
         causal: causal (one triangle) or bidirectional (both) fields.
+        mode: "exact", "sketch" or "auto" (the mode an "auto" accumulator ends in after N
+            snapshots); None = ``config.mode``.
 
     Returns:
-        dict with "state" (kept between updates: snapshots in lag-band form plus moments),
-        "compute_extra" (transient during ``compute``: Gram, one windowed block, modes,
-        coherency sums) and "total".
+        dict with "state" (kept between updates: snapshots in lag-band form, or the sketch, plus
+        the O(L^2) moments), "compute_extra" (transient during ``compute``: Gram, one windowed
+        block, modes, coherency sums), "total", and "sketch_rank" (l, 0 in exact mode).
     """
     config = config or PODConfig()
+    mode = mode or config.mode
     itemsize = torch.empty((), dtype=config.dtype).element_size()
     s_itemsize = torch.empty((), dtype=config.resolved_storage_dtype).element_size()
     band = band_lags(config, seq_len)
-    p = sum((seq_len - t) * (1 if causal or t == 0 else 2) for t in range(band))
-    moments = (2 if causal else 3) * seq_len * seq_len * itemsize
-    state = n_snapshots * p * s_itemsize + moments + seq_len * itemsize
-    from .pod import BLOCK_BYTES
-
-    block = min(n_snapshots * p * itemsize, BLOCK_BYTES)
-    gram = 2 * n_snapshots * n_snapshots * itemsize  # Gram + eigenvectors
+    p = _band_size(seq_len, band, causal)
+    fixed = _fixed_state_bytes(seq_len, config, causal)
     modes = config.n_modes * (p + (seq_len * seq_len if config.keep_mode_fields else 0)) * itemsize
-    coh = 3 * seq_len * seq_len * itemsize * 2 if config.coherency else 0
-    extra = 2 * block + gram + modes + coh
-    return {"state": int(state), "compute_extra": int(extra), "total": int(state + extra)}
+    from .pod import BLOCK_BYTES
+    from .sketch import SKETCH_BLOCK_BYTES
+
+    exact_state = n_snapshots * p * s_itemsize + fixed
+    rank = 0
+    if mode == "sketch" or (mode == "auto" and config.memory_budget_bytes is not None
+                            and exact_state > config.memory_budget_bytes):
+        rank = sketch_rank_for(seq_len, config, causal, auto=mode == "auto")
+    if rank == 0 and mode == "sketch":
+        raise MemoryBudgetError(_no_sketch_message(seq_len, config, causal))
+    if rank == 0:
+        block = min(n_snapshots * p * itemsize, BLOCK_BYTES)
+        gram = 2 * n_snapshots * n_snapshots * itemsize  # Gram + eigenvectors
+        coh = 3 * seq_len * seq_len * itemsize * 2 if config.coherency else 0
+        extra = 2 * block + gram + modes + coh
+        return {"state": int(exact_state), "compute_extra": int(extra), "total": int(exact_state + extra),
+                "sketch_rank": 0}
+    coh_state = 3 * seq_len * seq_len * itemsize if _streamed_coherency(config) else 0
+    state = fixed + coh_state + FrequentDirections.state_bytes(p, rank, config.dtype, config.resolved_storage_dtype)
+    m = 2 * rank
+    gram = 5 * m * m * itemsize  # windowed Gram, un-windowed Gram, eigenvectors, compensation
+    extra = gram + SKETCH_BLOCK_BYTES + modes + (seq_len * seq_len * itemsize if coh_state else 0)
+    return {"state": int(state), "compute_extra": int(extra), "total": int(state + extra), "sketch_rank": int(rank)}
+
+
+def _no_sketch_message(seq_len: int, config: PODConfig, causal: bool) -> str:
+    p = _band_size(seq_len, band_lags(config, seq_len), causal)
+    s_itemsize = torch.empty((), dtype=config.resolved_storage_dtype).element_size()
+    return (
+        f"the memory budget of {config.memory_budget_bytes / 2**20:.1f} MiB "
+        f"(PODConfig.memory_budget_bytes) cannot hold a useful sketch at L = {seq_len}: the O(L^2) "
+        f"state takes {_fixed_state_bytes(seq_len, config, causal) / 2**20:.1f} MiB and each sketch row "
+        f"{p * s_itemsize / 2**20:.2f} MiB (2 l rows are kept; auto mode needs l >= 2 k_fit = "
+        f"{2 * config.k_fit})"
+    )
+
+
+def sketch_effective_rank(eigenvalues: Tensor, lower: Tensor, error_bound: float, total: float,
+                          eps: tuple[float, ...], resolved_rank: int
+                          ) -> tuple[dict[float, int | None], dict[float, list[int | None]], dict[float, bool],
+                                     dict[float, bool]]:
+    """H*(eps) from sketch eigenvalues, with guaranteed bounds (METHOD.md section 5).
+
+    With ``lower_k <= lambda_k <= lower_k + e`` and the exact total T: the top-K sum of the true
+    eigenvalues lies in ``[S_K, S_K + min(K e, T - S_m)]`` (Ky Fan), ``S_K`` the top-K sum of
+    ``lower`` and ``T - S_m`` the energy the sketch misses. So ``H_hi`` = the smallest K with
+    ``T - S_K <= eps T`` is an upper bound, ``H_lo`` = the smallest K with
+    ``T - S_K - min(K e, T - S_m) <= eps T`` a lower bound.
+
+    Args:
+        eigenvalues: (m,) estimates, descending.
+        lower: (m,) guaranteed lower bounds, descending.
+        error_bound: e.
+        total: T, the exact sum of all eigenvalues.
+        eps: the tolerances.
+        resolved_rank: R.
+
+    Returns:
+        ranks: eps -> H*(eps) of the estimates when it is at most R, else None ("more than R").
+        bounds: eps -> [H_lo, H_hi] (H_hi None when even all m sketch eigenvalues fall short).
+        beyond: eps -> whether H*(eps) is beyond the resolved rank.
+        saturated: eps -> False (a sketch cannot say that every mode is needed).
+    """
+    lam = eigenvalues.to(torch.float64)
+    lo = lower.to(torch.float64)
+    m = int(lam.numel())
+    zero = torch.zeros(1, dtype=torch.float64)
+    s_est = torch.cat([zero, lam.cumsum(0)])  # S_K for K = 0..m
+    s_lo = torch.cat([zero, lo.cumsum(0)])
+    missing = max(0.0, total - float(s_lo[-1]))
+    k = torch.arange(m + 1, dtype=torch.float64)
+    slack = torch.clamp(k * error_bound, max=missing)
+    ranks: dict[float, int | None] = {}
+    bounds: dict[float, list[int | None]] = {}
+    beyond: dict[float, bool] = {}
+    for e in eps:
+        target = e * total
+
+        def first(ok: Tensor) -> int | None:
+            idx = torch.nonzero(ok)
+            return int(idx[0]) if idx.numel() else None
+
+        h_hi = first(total - s_lo <= target)
+        h_lo = first(total - s_lo - slack <= target)
+        if h_lo is None:  # even all m sketch eigenvalues plus the slack fall short
+            h_lo = m + 1
+        h_est = first(total - s_est <= target)
+        if h_est is not None:  # the estimate's own H* lies within the guaranteed bounds
+            h_est = max(h_est, h_lo) if h_hi is None else min(max(h_est, h_lo), h_hi)
+        ok = total > 0 and h_est is not None and h_est <= resolved_rank
+        ranks[e] = h_est if ok else None
+        bounds[e] = [h_lo, h_hi]
+        beyond[e] = total > 0 and not ok
+    return ranks, bounds, beyond, {e: False for e in eps}
 
 
 class PODAccumulator:
@@ -140,7 +274,14 @@ class PODAccumulator:
         self.m2_fwd: Tensor | None = None  # (L, L) centred forward lag moment (bidirectional)
         self.entropy_sum: Tensor | None = None  # (L,)
         self.band: LagBand | None = None
-        self.chunks: list[Tensor] = []
+        self.chunks: list[Tensor] = []  # exact mode: the snapshots in lag-band form, (n_c, P) each
+        self.sketch: FrequentDirections | None = None  # sketch mode: replaces the chunks
+        self.coherency_acc: CoherencyAccumulator | None = None  # sketch mode, fixed coherency_scale
+
+    @property
+    def mode(self) -> str:
+        """"exact" while the snapshots are kept, "sketch" once they are sketched."""
+        return "exact" if self.sketch is None else "sketch"
 
     @property
     def device(self) -> torch.device:
@@ -149,7 +290,10 @@ class PODAccumulator:
     def nbytes(self) -> int:
         """Bytes held by the state now."""
         tensors = [self.mean_field, self.m2_back, self.m2_fwd, self.entropy_sum, *self.chunks]
-        return int(sum(t.numel() * t.element_size() for t in tensors if t is not None))
+        if self.coherency_acc is not None:
+            tensors += [self.coherency_acc.cross_re, self.coherency_acc.cross_im, self.coherency_acc.power]
+        total = int(sum(t.numel() * t.element_size() for t in tensors if t is not None))
+        return total + (self.sketch.nbytes() if self.sketch is not None else 0)
 
     def _init_state(self, seq_len: int, causal: bool, device: torch.device) -> None:
         dt = self.config.dtype
@@ -161,6 +305,41 @@ class PODAccumulator:
         self.m2_fwd = None if causal else torch.zeros(seq_len, seq_len, dtype=dt, device=device)
         self.entropy_sum = torch.zeros(seq_len, dtype=dt, device=device)
         self.band = LagBand.build(seq_len, band_lags(self.config, seq_len), causal)
+        if self.config.mode == "sketch":
+            self._start_sketch()
+
+    def _start_sketch(self) -> None:
+        """Allocate the sketch (and the streamed coherency sums); the stored snapshots go into it.
+
+        Raises:
+            MemoryBudgetError: the budget cannot hold a sketch (see :func:`sketch_rank_for`).
+        """
+        assert self.seq_len is not None and self.band is not None and self.causal is not None
+        cfg = self.config
+        rank = sketch_rank_for(self.seq_len, cfg, self.causal)
+        if rank == 0:
+            raise MemoryBudgetError(_no_sketch_message(self.seq_len, cfg, self.causal))
+        self.sketch = FrequentDirections(self.band.size, rank, dtype=cfg.dtype,
+                                         storage_dtype=cfg.resolved_storage_dtype, device=self.device)
+        if _streamed_coherency(cfg):
+            assert cfg.coherency_scale is not None
+            self.coherency_acc = CoherencyAccumulator(self.seq_len, cfg.coherency_scale, cfg.omega0, cfg.dtype,
+                                                      self.device, causal=self.causal)
+        # the snapshots kept so far (auto mode), oldest first, each freed once it is in the sketch
+        self.chunks.reverse()
+        while self.chunks:
+            chunk = self.chunks.pop()
+            self._sketch_band_rows(chunk)
+            del chunk
+
+    def _sketch_band_rows(self, rows: Tensor) -> None:
+        """Feed (b, P) lag-band snapshots to the sketch and, if streamed, to the coherency sums."""
+        assert self.sketch is not None and self.band is not None
+        self.sketch.update(rows)
+        if self.coherency_acc is not None:
+            sub = max(1, UPDATE_BYTES // (4 * 8 * self.band.seq_len ** 2))  # fields + 3 transforms
+            for start in range(0, rows.shape[0], sub):
+                self.coherency_acc.update(self.band.to_dense(rows[start:start + sub].to(self.config.dtype)))
 
     # ----------------------------------------------------------------- update
     def _validate(self, fields: Any) -> Tensor:
@@ -229,14 +408,25 @@ class PODAccumulator:
         assert self.band is not None and self.mean_field is not None and self.m2_back is not None
         s_dtype = self.config.resolved_storage_dtype
         budget = self.config.memory_budget_bytes
-        if budget is not None:
+        if budget is not None and self.sketch is None:
             need = self.nbytes() + x.shape[0] * self.band.size * torch.empty((), dtype=s_dtype).element_size()
-            if need > budget:
+            limit = budget
+            rank = sketch_rank_for(seq_len, self.config, causal) if self.config.mode == "auto" else 0
+            if rank:  # leave room for the sketch (and streamed coherency) next to the snapshots when switching
+                limit = budget - FrequentDirections.state_bytes(self.band.size, rank, self.config.dtype, s_dtype)
+                if _streamed_coherency(self.config):
+                    limit -= 3 * seq_len * seq_len * x.element_size()
+            if need > limit and rank:
+                self._start_sketch()
+            elif need > limit:
+                hint = ("; PODConfig(mode='auto') or mode='sketch' keeps a bounded sketch instead"
+                        if self.config.mode == "exact" else
+                        "; " + _no_sketch_message(seq_len, self.config, causal))
                 raise MemoryBudgetError(
                     f"storing {x.shape[0]} more snapshots (L = {seq_len}, {self.band.size} lag-band "
                     f"entries each) would bring this accumulator to {need / 2**20:.1f} MiB, over its "
                     f"budget of {budget / 2**20:.1f} MiB (PODConfig.memory_budget_bytes); "
-                    f"{self.n} snapshots are kept"
+                    f"{self.n} snapshots are kept" + hint
                 )
         self.n_skipped_nonfinite += n_bad
         any_negative = bool(x.amin() < 0)  # one reduction; count per snapshot only when needed
@@ -258,7 +448,10 @@ class PODAccumulator:
             self._combine(part.shape[0], mean_p, m2p_back, m2p_fwd)
             h_sum, _ = row_entropy(part, causal, has_negative=any_negative)
             self.entropy_sum += h_sum
-            self.chunks.append(self.band.extract(part).to(s_dtype))
+            if self.sketch is not None:
+                self._sketch_band_rows(self.band.extract(part))
+            else:
+                self.chunks.append(self.band.extract(part).to(s_dtype))
         return n_b
 
     def _combine(self, n_b: int, mean_b: Tensor, m2b_back: Tensor, m2b_fwd: Tensor | None) -> None:
@@ -283,7 +476,9 @@ class PODAccumulator:
     def merge(self, other: PODAccumulator) -> PODAccumulator:
         """Absorb another accumulator's snapshots (e.g. from another process); returns self.
 
-        The result equals one accumulator fed self's snapshots, then other's.
+        The result equals one accumulator fed self's snapshots, then other's (in sketch mode:
+        within the error bound, which adds up: the merged sketch's Delta is the sum of both and
+        of the merge's own shrinks). An exact accumulator merged with a sketch becomes a sketch.
         """
         if other.seq_len is None:
             self.n_skipped_nonfinite += other.n_skipped_nonfinite
@@ -303,7 +498,24 @@ class PODAccumulator:
                       None if other.m2_fwd is None else other.m2_fwd.to(dev))
         assert self.entropy_sum is not None
         self.entropy_sum += other.entropy_sum.to(dev)
-        self.chunks.extend(c.to(dev) for c in other.chunks)
+        if self.sketch is None and other.sketch is not None:
+            self._start_sketch()
+        if self.sketch is not None:
+            if other.sketch is not None:
+                self.sketch.merge(other.sketch)
+                if self.coherency_acc is not None and other.coherency_acc is not None:
+                    for name in ("cross_re", "cross_im", "power"):
+                        getattr(self.coherency_acc, name).add_(getattr(other.coherency_acc, name).to(dev))
+                    self.coherency_acc.n += other.coherency_acc.n
+            else:
+                for chunk in other.chunks:
+                    self._sketch_band_rows(chunk.to(dev))
+        else:
+            self.chunks.extend(c.to(dev) for c in other.chunks)
+            budget = self.config.memory_budget_bytes
+            if self.config.mode == "auto" and budget is not None and self.nbytes() > budget \
+                    and sketch_rank_for(self.seq_len, self.config, self.causal):
+                self._start_sketch()
         self.n_skipped_nonfinite += other.n_skipped_nonfinite
         self.n_negative += other.n_negative
         self.input_dtypes |= other.input_dtypes
@@ -326,11 +538,18 @@ class PODAccumulator:
             "m2_fwd": self.m2_fwd,
             "entropy_sum": self.entropy_sum,
             "snapshots": torch.cat(self.chunks) if len(self.chunks) > 1 else (self.chunks[0] if self.chunks else None),
+            "mode": self.mode,
+            # sketch mode: flat keys, so that a caller moving the top-level tensors (e.g. to the CPU
+            # before a gather) moves these too
+            **({} if self.sketch is None else {f"sketch_{k}": v for k, v in self.sketch.state_dict().items()}),
+            **({} if self.coherency_acc is None else {
+                "coherency_cross_re": self.coherency_acc.cross_re, "coherency_cross_im": self.coherency_acc.cross_im,
+                "coherency_power": self.coherency_acc.power, "coherency_n": self.coherency_acc.n}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict` (the configuration must match)."""
-        if state.get("version") != STATE_VERSION:
+        if state.get("version") not in (1, STATE_VERSION):
             raise ValueError(f"unsupported PODAccumulator state version {state.get('version')}")
         saved = PODConfig.from_dict(state["config"])
         if saved != self.config:
@@ -350,8 +569,21 @@ class PODAccumulator:
         self.m2_fwd = None if state["m2_fwd"] is None else state["m2_fwd"].to(self.device, self.config.dtype).clone()
         self.entropy_sum = state["entropy_sum"].to(self.device, self.config.dtype).clone()
         snaps = state["snapshots"]
-        self.chunks = [] if snaps is None else [snaps.to(self.device).clone()]
         assert self.band is not None
+        if state.get("mode", "exact") == "sketch":
+            if self.sketch is None:  # an auto-mode state that had switched
+                self._start_sketch()
+            assert self.sketch is not None
+            sk = {k[len("sketch_"):]: v for k, v in state.items() if k.startswith("sketch_")}
+            if int(sk["n_cols"]) != self.band.size or int(sk["n"]) != self.n:
+                raise ValueError("corrupt PODAccumulator state: the sketch does not match its counts")
+            self.sketch.load_state_dict(sk)
+            if self.coherency_acc is not None and "coherency_power" in state:
+                for name in ("cross_re", "cross_im", "power"):
+                    getattr(self.coherency_acc, name).copy_(state[f"coherency_{name}"])
+                self.coherency_acc.n = int(state["coherency_n"])
+            return
+        self.chunks = [] if snaps is None else [snaps.to(self.device).clone()]
         if snaps is not None and (snaps.shape[0] != self.n or snaps.shape[1] != self.band.size):
             raise ValueError("corrupt PODAccumulator state: snapshot store does not match its counts")
 
@@ -412,15 +644,39 @@ class PODAccumulator:
 
         per_scale: list[ScaleReport] = []
         if status == "ok":
-            center = self._band_mean()
+            center = self._band_mean() if self.sketch is None else None
             for k in dominant_idx:
                 per_scale.append(self._analyse_scale(scales_list[k], center))
             if per_scale and per_scale[0].status != "ok":
                 status = per_scale[0].status
                 messages.append(f"top dominant scale: {per_scale[0].status}")
+        sketch_info = None
+        if self.sketch is not None:
+            sk = self.sketch
+            sketch_info = {"rank": sk.rank, "rows": sk.n_rows, "delta_total": sk.delta_total,
+                           "n_shrinks": sk.n_shrinks, "state_bytes": self.nbytes()}
+            head = per_scale[0] if per_scale else None
+            messages.append(
+                f"sketch mode (Frequent Directions, l = {sk.rank} rows, {sk.n_shrinks} shrinks): eigenvalues "
+                "within error_bound of the exact POD, energies and scalograms exact"
+                + ("" if head is None else
+                   f"; at the top scale error_bound = {head.error_bound:.3g}, resolved rank R = {head.resolved_rank}")
+            )
+            if head is not None:
+                for e, beyond in head.beyond_resolved.items():
+                    if beyond:
+                        lo = head.effective_rank_bounds[e][0]
+                        messages.append(f"H*({e:g}) is more than the resolved rank R = {head.resolved_rank} "
+                                        f"(guaranteed >= {lo})")
+                if head.resolved_rank is not None and head.resolved_rank < cfg.k_fit:
+                    messages.append(f"T_spec fitted on the {min(head.resolved_rank, cfg.k_fit)} resolved eigenvalues "
+                                    f"(fewer than k_fit = {cfg.k_fit})")
 
         coherency, coh_scale = None, None
-        if cfg.coherency and n > 0 and (cfg.coherency_scale is not None or dominant_idx):
+        if self.sketch is not None and cfg.coherency and self.coherency_acc is None:
+            messages.append("coherency not computed: in sketch mode it needs a fixed PODConfig.coherency_scale "
+                            "(the snapshots are not kept until the dominant scale is known)")
+        elif cfg.coherency and n > 0 and (cfg.coherency_scale is not None or dominant_idx):
             coh_scale = cfg.coherency_scale if cfg.coherency_scale is not None else scales_list[dominant_idx[0]]
             coherency = self._coherency(coh_scale)
             if self.causal and bool(torch.isnan(coherency).any()):
@@ -456,6 +712,8 @@ class PODAccumulator:
             config=cfg.to_dict(),
             messages=messages,
             analysis_seconds=time.perf_counter() - t0,
+            mode=self.mode,
+            sketch=sketch_info,
         )
 
     def _rounding_floor(self, mean_energy: Tensor) -> float:
@@ -468,7 +726,7 @@ class PODAccumulator:
         assert self.band is not None and self.mean_field is not None
         return self.band.extract(self.mean_field.unsqueeze(0))[0]
 
-    def _analyse_scale(self, scale: float, center: Tensor) -> ScaleReport:
+    def _analyse_scale(self, scale: float, center: Tensor | None) -> ScaleReport:
         cfg = self.config
         assert self.band is not None and self.causal is not None and self.seq_len is not None
         support = window_support(scale, cfg.window, cfg.window_tol)
@@ -476,6 +734,8 @@ class PODAccumulator:
         width = self.band.prefix(n_lags)
         lags = self.band.lag[:width].to(self.device)
         weights = lag_window(lags, scale, cfg.window).to(cfg.dtype)
+        if self.sketch is not None:
+            return self._analyse_scale_sketch(scale, n_lags, lags, weights)
         res = snapshot_pod(self.chunks, center=center, weights=weights, n_modes=cfg.n_modes,
                            floor=cfg.eig_floor, dtype=cfg.dtype)
         lam = res.eigenvalues
@@ -507,16 +767,73 @@ class PODAccumulator:
             mode_lag_profiles=profiles.cpu(),
             modes=None if fields is None else fields.cpu(),
             coefficients=coefficients.cpu(),
+            mode="exact",
+            error_bound=0.0,
+            resolved_rank=er.n_nonzero,
+            effective_rank_bounds={e: [r, r] for e, r in er.ranks.items()},
+            beyond_resolved={e: False for e in er.ranks},
+        )
+
+    def _analyse_scale_sketch(self, scale: float, n_lags: int, lags: Tensor, weights: Tensor) -> ScaleReport:
+        """The POD at one scale from the sketch, with its error bound, resolved rank and H*(eps) bounds."""
+        cfg = self.config
+        assert self.sketch is not None and self.band is not None and self.causal is not None
+        res = sketch_pod(self.sketch, weights, n_modes=cfg.n_modes, floor=cfg.eig_floor)
+        lam, lam_lo, err, total = res.eigenvalues, res.eigenvalues_lower, res.error_bound, res.total_energy
+        lam1 = float(lam[0]) if lam.numel() else 0.0
+        n_nonzero = int((lam > cfg.eig_floor * lam1).sum()) if lam1 > 0 else 0
+        if err > 0:
+            resolved = int((lam >= cfg.sketch_resolve_factor * err).sum())
+        else:  # nothing was shrunk away: the sketch is the exact ensemble
+            resolved = n_nonzero
+        fit = spectral_fit(lam[:resolved], cfg.k_fit, cfg.eig_floor)
+        ranks, bounds, beyond, saturated = sketch_effective_rank(lam.cpu(), lam_lo.cpu(), err, total, cfg.eps,
+                                                                 resolved)
+        if err == 0:  # exact: "needs every mode" is decidable
+            saturated = {e: r is not None and r >= n_nonzero for e, r in ranks.items()}
+        axis, profiles = mode_lag_profiles(res.modes, lags, self.causal)
+        signs = fix_signs(profiles)
+        profiles = profiles * signs.unsqueeze(1)
+        modes = res.modes * signs.unsqueeze(1)
+        fields = self.band.to_dense(modes) if cfg.keep_mode_fields else None
+        return ScaleReport(
+            scale=scale,
+            window=cfg.window,
+            n_lags=n_lags,
+            eigenvalues=lam.cpu(),
+            energy_fractions=(lam / total).cpu() if total > 0 else torch.zeros_like(lam).cpu(),
+            total_energy=total,
+            t_spec=fit.t_spec,
+            beta=fit.beta,
+            r2=fit.r2,
+            n_fit=fit.n_points,
+            status=fit.status if total > 0 else "zero_variance",
+            effective_rank=ranks,
+            saturated=saturated,
+            n_nonzero=n_nonzero,
+            lags=axis.cpu(),
+            mode_lag_profiles=profiles.cpu(),
+            modes=None if fields is None else fields.cpu(),
+            coefficients=None,
+            mode="sketch",
+            error_bound=err,
+            eigenvalues_lower=lam_lo.cpu(),
+            resolved_rank=resolved,
+            effective_rank_bounds=bounds,
+            beyond_resolved=beyond,
         )
 
     def _coherency(self, scale: float) -> Tensor:
         assert self.band is not None and self.seq_len is not None
-        acc = CoherencyAccumulator(self.seq_len, scale, self.config.omega0, self.config.dtype, self.device,
-                                   causal=bool(self.causal))
-        sub = max(1, UPDATE_BYTES // (4 * 8 * self.seq_len * self.seq_len))  # fields + 3 transforms
-        for chunk in self.chunks:
-            for start in range(0, chunk.shape[0], sub):
-                acc.update(self.band.to_dense(chunk[start:start + sub].to(self.config.dtype)))
+        if self.coherency_acc is not None:  # sketch mode: streamed at the fixed coherency_scale
+            acc = self.coherency_acc
+        else:
+            acc = CoherencyAccumulator(self.seq_len, scale, self.config.omega0, self.config.dtype, self.device,
+                                       causal=bool(self.causal))
+            sub = max(1, UPDATE_BYTES // (4 * 8 * self.seq_len * self.seq_len))  # fields + 3 transforms
+            for chunk in self.chunks:
+                for start in range(0, chunk.shape[0], sub):
+                    acc.update(self.band.to_dense(chunk[start:start + sub].to(self.config.dtype)))
         gamma = acc.compute()
         self._coherency_reach = acc.reach if self.causal else None
         if self.band.n_lags < self.seq_len:

@@ -10,6 +10,7 @@ import torch
 
 DominantMethod = Literal["peaks", "top"]
 WindowKind = Literal["lowpass", "band"]
+PODMode = Literal["auto", "exact", "sketch"]
 
 
 def default_scales() -> tuple[float, ...]:
@@ -48,8 +49,24 @@ class PODConfig:
         dtype: accumulation and analysis dtype (float64 default; float32 halves memory and
             time at ~1e-6 relative accuracy).
         storage_dtype: dtype of the stored snapshots (None: same as ``dtype``).
-        memory_budget_bytes: the accumulator refuses (with :class:`MemoryBudgetError`) an
-            update that would make its state exceed this; None = no limit.
+        memory_budget_bytes: bytes the accumulator's state may hold (one layer); None = no limit.
+            In "exact" mode an update that would exceed it is refused with
+            :class:`MemoryBudgetError`; in "auto" mode the accumulator switches to the sketch
+            instead (see ``mode``).
+        mode: "exact" keeps every snapshot (exact POD, memory grows with N); "sketch" keeps a
+            Frequent Directions sketch of ``sketch_rank`` rows from the first snapshot (memory
+            bounded, eigenvalues within a reported error bound); "auto" (default) is exact while
+            the snapshots fit in ``memory_budget_bytes`` (always, when there is no budget) and
+            turns the stored snapshots into a sketch when they would not, provided the budget
+            holds a sketch of at least ``2 * k_fit`` rows (else it refuses, like "exact").
+            The scalograms, mean field, entropy and attention distance are exact in every mode.
+        sketch_rank: l, the rows the sketch keeps (it holds up to 2 l); None = the largest that
+            fits in ``memory_budget_bytes`` (half of what the budget leaves after the O(L^2)
+            state, in auto mode; all of it in sketch mode), or ``4 * k_fit`` without a budget.
+        sketch_resolve_factor: an eigenvalue estimate counts as resolved when it is at least this
+            many times the sketch's error bound (so its relative error is at most the inverse);
+            T_spec is fitted on resolved eigenvalues only and H*(eps) beyond the resolved rank is
+            reported as "more than R".
         min_snapshots: below this many finite snapshots the POD is not run (status
             "too_few_snapshots"); at least 3.
     """
@@ -73,6 +90,9 @@ class PODConfig:
     storage_dtype: torch.dtype | None = None
     memory_budget_bytes: int | None = None
     min_snapshots: int = 3
+    mode: PODMode = "auto"
+    sketch_rank: int | None = None
+    sketch_resolve_factor: float = 10.0
 
     def __post_init__(self) -> None:
         scales = tuple(float(a) for a in self.scales)
@@ -112,6 +132,12 @@ class PODConfig:
             raise ValueError(f"memory_budget_bytes must be positive, got {self.memory_budget_bytes}")
         if self.min_snapshots < 3:
             raise ValueError(f"min_snapshots must be >= 3, got {self.min_snapshots}")
+        if self.mode not in ("auto", "exact", "sketch"):
+            raise ValueError(f"mode must be 'auto', 'exact' or 'sketch', got {self.mode!r}")
+        if self.sketch_rank is not None and self.sketch_rank < 1:
+            raise ValueError(f"sketch_rank must be >= 1, got {self.sketch_rank}")
+        if not self.sketch_resolve_factor >= 1:
+            raise ValueError(f"sketch_resolve_factor must be >= 1, got {self.sketch_resolve_factor}")
         if self.coherency_scale is not None and not self.coherency_scale > 0:
             raise ValueError(f"coherency_scale must be positive, got {self.coherency_scale}")
 

@@ -52,7 +52,21 @@ class ScaleReport:
         mode_lag_profiles: (n_modes, T) ``phi_k(tau) = mean_i phi_k(i, i - tau)`` over the rows
             where the entry exists; sign fixed so that the largest-magnitude entry is positive.
         modes: (n_modes, L, L) unit-norm POD modes (None unless PODConfig.keep_mode_fields).
-        coefficients: (N, n_modes) temporal coefficients ``a_k(s) = <u_s, phi_k>``.
+        coefficients: (N, n_modes) temporal coefficients ``a_k(s) = <u_s, phi_k>`` (None in
+            sketch mode: the snapshots are not kept).
+        mode: "exact" (POD of every snapshot) or "sketch" (Frequent Directions sketch).
+        error_bound: e, a guaranteed bound ``|lambda_k - eigenvalues_k| <= e`` for every k
+            (0.0 in exact mode). In sketch mode the true eigenvalue lies in
+            ``[eigenvalues_lower_k, eigenvalues_lower_k + e]``.
+        eigenvalues_lower: (K,) guaranteed lower bounds of the eigenvalues (raw sketch); None in
+            exact mode.
+        resolved_rank: R, the eigenvalues that are at least ``sketch_resolve_factor * e`` (relative
+            error at most its inverse); in exact mode the number of non-zero eigenvalues.
+            ``energy_fractions`` are exact fractions of the exact ``total_energy`` in both modes.
+        effective_rank_bounds: eps -> [lower, upper] guaranteed bounds of H*(eps) (upper None
+            when the sketch cannot bound it); [H, H] in exact mode.
+        beyond_resolved: eps -> True when H*(eps) lies beyond the resolved rank R: then
+            ``effective_rank[eps]`` is None, read "more than R" (at least the lower bound).
     """
 
     scale: float
@@ -73,6 +87,12 @@ class ScaleReport:
     mode_lag_profiles: Tensor
     modes: Tensor | None = None
     coefficients: Tensor | None = None
+    mode: str = "exact"
+    error_bound: float = 0.0
+    eigenvalues_lower: Tensor | None = None
+    resolved_rank: int | None = None
+    effective_rank_bounds: dict[float, list[int | None]] = field(default_factory=dict)
+    beyond_resolved: dict[float, bool] = field(default_factory=dict)
 
     def to_dict(self, *, include_modes: bool = False) -> dict[str, Any]:
         """JSON-serialisable dict (mode fields and coefficients only on request)."""
@@ -93,6 +113,12 @@ class ScaleReport:
             "n_nonzero": self.n_nonzero,
             "lags": self.lags,
             "mode_lag_profiles": self.mode_lag_profiles,
+            "mode": self.mode,
+            "error_bound": self.error_bound,
+            "eigenvalues_lower": self.eigenvalues_lower,
+            "resolved_rank": self.resolved_rank,
+            "effective_rank_bounds": self.effective_rank_bounds,
+            "beyond_resolved": self.beyond_resolved,
         }
         if include_modes:
             out["modes"] = self.modes
@@ -128,6 +154,12 @@ class PODReport:
         config: the PODConfig as a dict.
         messages: human-readable notes (flags, skipped input, approximations).
         analysis_seconds: wall time of the analysis (``compute``).
+        mode: "exact" or "sketch" (how the POD was computed; the scalograms, mean field,
+            entropy and attention distance are exact in both).
+        sketch: in sketch mode, the sketch's facts: ``rank`` (l), ``rows`` held, ``delta_total``
+            (the Frequent Directions shrinkage Delta, in squared-norm units of the centred
+            un-windowed snapshots), ``n_shrinks``, ``state_bytes``; None in exact mode.
+        error_bound, resolved_rank, beyond_resolved: headline values (top dominant scale).
     """
 
     status: str
@@ -152,6 +184,8 @@ class PODReport:
     config: dict[str, Any]
     messages: list[str] = field(default_factory=list)
     analysis_seconds: float = math.nan
+    mode: str = "exact"
+    sketch: dict[str, Any] | None = None
 
     @property
     def headline(self) -> ScaleReport | None:
@@ -180,6 +214,19 @@ class PODReport:
         eps = self.config.get("eps", ())
         return self.headline.saturated if self.headline else {float(e): False for e in eps}
 
+    @property
+    def error_bound(self) -> float:
+        return self.headline.error_bound if self.headline else math.nan
+
+    @property
+    def resolved_rank(self) -> int | None:
+        return self.headline.resolved_rank if self.headline else None
+
+    @property
+    def beyond_resolved(self) -> dict[float, bool]:
+        eps = self.config.get("eps", ())
+        return self.headline.beyond_resolved if self.headline else {float(e): False for e in eps}
+
     def to_dict(self, *, include_fields: bool = False, include_modes: bool = False) -> dict[str, Any]:
         """JSON-serialisable dict.
 
@@ -207,6 +254,11 @@ class PODReport:
             "r2": self.r2,
             "effective_rank": self.effective_rank,
             "saturated": self.saturated,
+            "mode": self.mode,
+            "error_bound": self.error_bound,
+            "resolved_rank": self.resolved_rank,
+            "beyond_resolved": self.beyond_resolved,
+            "sketch": self.sketch,
             "mean_attention_distance": self.mean_attention_distance,
             "entropy": self.entropy,
             "entropy_profile": self.entropy_profile,
