@@ -21,10 +21,20 @@ def __getattr__(name: str):
         from . import callback
 
         return getattr(callback, name)
+    if name in ("SmoothnessMonitor", "SmoothnessMonitorWarning"):
+        from .smoothness import callback as _smoothness
+
+        return getattr(_smoothness, name)
+    if name == "HeadPruning":
+        from .pruning import HeadPruning
+
+        return HeadPruning
     raise AttributeError(f"module 'podmonitor' has no attribute {name!r}")
+
 
 __all__ = [
     "FrequentDirections",
+    "HeadPruning",
     "MemoryBudgetError",
     "PODAccumulator",
     "PODConfig",
@@ -32,6 +42,8 @@ __all__ = [
     "PODMonitorWarning",
     "PODReport",
     "ScaleReport",
+    "SmoothnessMonitor",
+    "SmoothnessMonitorWarning",
     "analyze",
     "estimate_memory",
     "__version__",

@@ -240,6 +240,8 @@ class PODMonitor(Callback):
         t1 = time.perf_counter()
         self._capture_seconds += t1 - t0
         try:
+            if self._layer_names == [] and self._active is None:  # first batch of the run
+                self._active = _active_heads(pl_module, list(captured.layer_names))
             self._accumulate(captured, self._per_rank_target(trainer))
         except Exception as err:  # noqa: BLE001
             self._handle("accumulating attention fields", err)
@@ -280,7 +282,7 @@ class PODMonitor(Callback):
         try:
             for name, f in zip(self._layer_names, captured.fields, strict=True):
                 sel = f.index_select(0, index.to(f.device))  # (b, H, T, T)
-                self._accumulators[name].update(sel.mean(dim=1))
+                self._accumulators[name].update(_head_average(sel, (self._active or {}).get(name)))
                 if self.per_head:
                     for h in range(sel.shape[1]):
                         self._accumulators[f"{name}/head_{h:02d}"].update(sel[:, h])
@@ -491,6 +493,16 @@ def _active_heads(pl_module: LightningModule, layer_names: Sequence[str]) -> dic
     if not masks or len(masks) != len(layer_names):
         return None
     return {name: [bool(v != 0) for v in m.tolist()] for name, m in zip(layer_names, masks, strict=True)}
+
+
+def _head_average(fields: torch.Tensor, active: Sequence[bool] | None) -> torch.Tensor:
+    """(b, H, T, T) -> (b, T, T): mean over the heads still active (masked heads carry no output,
+    so the layer's field is the mean of the heads that reach the residual stream); all heads when
+    ``active`` is None, does not match H, or masks every head."""
+    if active is None or len(active) != fields.shape[1] or all(active) or not any(active):
+        return fields.mean(dim=1)
+    keep = torch.tensor([i for i, a in enumerate(active) if a], device=fields.device)
+    return fields.index_select(1, keep).mean(dim=1)
 
 
 def _replace(config: PODConfig, **changes: Any) -> PODConfig:

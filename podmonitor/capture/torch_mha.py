@@ -101,7 +101,10 @@ class TorchMHAAdapter(CaptureAdapter):
             handle.remove()
         self._handles.clear()
         if self._fastpath_prev is not None:
-            torch.backends.mha.set_fastpath_enabled(self._fastpath_prev)
+            # restore only if nobody changed the setting since we switched it off (another
+            # callback with the same trick may have restored it already, in a different order)
+            if not torch.backends.mha.get_fastpath_enabled():
+                torch.backends.mha.set_fastpath_enabled(self._fastpath_prev)
             self._fastpath_prev = None
         self._pending.clear()
         self._records.clear()

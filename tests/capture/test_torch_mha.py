@@ -256,3 +256,16 @@ def test_torch_mha_repeated_module_gets_numbered_names() -> None:
         mha(y, y, y)
         captured = adapter.collect(module, None, None)
     assert captured.layer_names == ["shared", "shared#1"]
+
+
+def test_fast_path_restored_when_two_users_stop_in_the_order_they_started(module) -> None:
+    """Two callbacks switch the fast path off around the same batch and stop in the order they
+    started (Lightning calls batch-end hooks in list order): it must end up on again."""
+    torch.backends.mha.set_fastpath_enabled(True)
+    first, second = TorchMHAAdapter(), TorchMHAAdapter()
+    first.start(module)
+    second.start(module)  # sees the fast path already off
+    assert torch.backends.mha.get_fastpath_enabled() is False
+    first.stop()  # restores True
+    second.stop()  # must not switch it off again
+    assert torch.backends.mha.get_fastpath_enabled() is True
