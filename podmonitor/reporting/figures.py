@@ -384,6 +384,8 @@ def fitted_power_law(scale_report: ScaleReport, k_fit: int = 30, floor: float = 
         (k, c k^-beta) arrays, or None when beta is not finite or fewer than 2 points remain.
     """
     beta = scale_report.beta
+    if getattr(scale_report, "mode", "exact") == "sketch" and scale_report.n_fit:
+        k_fit = min(int(k_fit), int(scale_report.n_fit))  # a sketch fits its resolved eigenvalues only
     lam = _np(scale_report.eigenvalues)[: max(0, int(k_fit))]
     if not _finite(beta) or lam.ndim != 1 or lam.size == 0 or not (np.isfinite(lam[0]) and lam[0] > 0):
         return None

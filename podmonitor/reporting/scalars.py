@@ -93,7 +93,9 @@ def layer_scalars(report: PODReport, layer_name: str, *, prefix: str = "pod",
     ``saturated_eps_<eps>`` (1.0 / 0.0) for every eps of the report's config; ``top_scale`` (first
     dominant scale), ``scale_centroid``, ``mean_attention_distance``, ``entropy``,
     ``n_snapshots``, ``n_skipped_nonfinite``, ``analysis_seconds`` and ``status_ok`` (1.0 when
-    status is "ok", else 0.0).
+    status is "ok", else 0.0). Reports of the bounded-memory (sketch) mode add ``resolved_rank``,
+    ``error_bound`` and ``beyond_resolved_eps_<eps>`` (1.0 where H*(eps) is more than the resolved
+    rank R; ``h_eps_<eps>`` is NaN there).
 
     A report without POD (empty ``per_scale``) gives NaN for the fit values, H*(eps) and the
     saturation flags (not "unsaturated": there is nothing to saturate); n_fit is NaN too.
@@ -118,8 +120,15 @@ def layer_scalars(report: PODReport, layer_name: str, *, prefix: str = "pod",
         "r2": _float(report.r2),
         "n_fit": _float(head.n_fit) if head is not None else math.nan,
     }
+    beyond = getattr(head, "beyond_resolved", None) or {}
     for e in eps:
         values[f"h_eps_{eps_label(e)}"] = _float(_lookup(ranks, e))
+    if head is not None and getattr(head, "mode", "exact") == "sketch":
+        # bounded-memory mode: H*(eps) is NaN where it lies beyond the resolved rank R
+        values["resolved_rank"] = _float(head.resolved_rank)
+        values["error_bound"] = _float(head.error_bound)
+        for e in eps:
+            values[f"beyond_resolved_eps_{eps_label(e)}"] = float(bool(_lookup(beyond, e)))
     for e in eps:
         flag = _lookup(saturated, e)
         values[f"saturated_eps_{eps_label(e)}"] = math.nan if flag is None else float(bool(flag))
@@ -210,10 +219,15 @@ def summary_markdown(reports: Sequence[PODReport], layer_names: Sequence[str] | 
         dom = list(rep.dominant_scales or [])
         ranks = rep.headline.effective_rank if rep.headline is not None else {}
         sat = rep.headline.saturated if rep.headline is not None else {}
+        beyond = (getattr(rep.headline, "beyond_resolved", None) or {}) if rep.headline is not None else {}
+        resolved = getattr(rep.headline, "resolved_rank", None) if rep.headline is not None else None
         hs = []
         for e in eps:
             r = _lookup(ranks, e)
-            hs.append("n/a" if r is None else f"{r}{' (sat.)' if _lookup(sat, e) else ''}")
+            if r is None and _lookup(beyond, e) and resolved is not None:
+                hs.append(f"> {resolved} (sketch)")
+            else:
+                hs.append("n/a" if r is None else f"{r}{' (sat.)' if _lookup(sat, e) else ''}")
         row = [name, rep.status, fmt(dom[0] if dom else None), fmt(rep.scale_centroid), fmt(rep.t_spec),
                fmt(rep.beta), fmt(rep.r2, ".3f"), *hs, fmt(rep.mean_attention_distance),
                fmt(rep.entropy), str(rep.n_snapshots)]

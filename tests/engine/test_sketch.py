@@ -288,7 +288,22 @@ def test_reporting_readers_accept_a_sketch_report(sketch_report):
     for eps, beyond in head.beyond_resolved.items():
         value = scalars[f"pod/h_eps_{eps:.2f}/layer_00"]
         assert math.isnan(value) if beyond else value == head.effective_rank[eps]
-    assert "layer_00" in summary_markdown([sketch_report], ["layer_00"])
+        assert scalars[f"pod/beyond_resolved_eps_{eps:.2f}/layer_00"] == float(beyond)
+    assert scalars["pod/resolved_rank/layer_00"] == head.resolved_rank
+    assert scalars["pod/error_bound/layer_00"] == head.error_bound
+    table = summary_markdown([sketch_report], ["layer_00"])
+    assert "layer_00" in table
+    if any(head.beyond_resolved.values()):
+        assert f"> {head.resolved_rank} (sketch)" in table
+
+
+def test_fitted_power_law_of_a_sketch_spans_only_the_fitted_points(sketch_report):
+    from podmonitor.reporting.figures import fitted_power_law
+
+    sr = sketch_report.per_scale[0]
+    line = fitted_power_law(sr, k_fit=30)
+    if sr.n_fit >= 2:
+        assert line is not None and line[0].size <= sr.n_fit
 
 
 def test_version_1_state_still_loads(fields):
