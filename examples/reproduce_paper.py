@@ -125,7 +125,10 @@ def figures(runs: list[dict[str, Any]], out: Path) -> list[Path]:
         axes[0].bar(x, [r.t_spec for r in reps], width, label=run["name"])
         axes[1].bar(x, [r.effective_rank.get(0.1) or 0 for r in reps], width, label=run["name"])
         axes[2].bar(x, [r.dominant_scales[0] if r.dominant_scales else 0 for r in reps], width, label=run["name"])
+    n_layers = max(len(run["reports"]) for run in runs)
+    centres = [j + width * (len(runs) - 1) / 2 for j in range(n_layers)]
     for ax, title in zip(axes, ("T_spec", "H*(0.10)", "top dominant scale (lags)"), strict=True):
+        ax.set_xticks(centres, [str(j) for j in range(n_layers)])
         ax.set_title(title)
         ax.set_xlabel("layer")
         ax.legend(fontsize=8)
