@@ -16,12 +16,17 @@ from typing import Any
 
 import torch
 
+from podmonitor.engine.lags import row_entropy as _engine_row_entropy
+
 __all__ = ["AttentionCompanions", "attention_companions", "cesaro_matrix", "cesaro_norm", "row_entropy",
            "spectral_norm_p"]
 
 
 def row_entropy(p: torch.Tensor, causal: bool) -> torch.Tensor:
     """Normalised entropy of every row of attention matrices.
+
+    The per-row values of :func:`podmonitor.engine.lags.row_entropy` (the same normalisation),
+    computed in float64, with the rows it leaves out (a single key) marked NaN instead of 0.
 
     Args:
         p: (..., T, T) row-stochastic matrices (rows are queries).
@@ -32,12 +37,9 @@ def row_entropy(p: torch.Tensor, causal: bool) -> torch.Tensor:
         single key.
     """
     p = p.detach().to(torch.float64)
-    T = p.shape[-1]
-    h = -(torch.where(p > 0, p * p.log(), torch.zeros_like(p))).sum(-1)  # (..., T)
-    keys = torch.arange(1, T + 1, dtype=torch.float64, device=p.device) if causal else torch.full(
-        (T,), float(T), dtype=torch.float64, device=p.device)
-    logk = keys.log()
-    return torch.where(logk > 0, h / logk.clamp_min(1e-300), torch.full_like(h, float("nan")))
+    # the engine sums over its leading snapshot axis: a leading axis of one keeps every row
+    h, valid = _engine_row_entropy(p.unsqueeze(0), causal)  # (..., T), (T,)
+    return h.masked_fill(~valid, float("nan"))
 
 
 def spectral_norm_p(p: torch.Tensor) -> torch.Tensor:

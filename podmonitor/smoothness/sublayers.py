@@ -98,7 +98,9 @@ def _mha_fastpath_off() -> Iterator[None]:
     """``torch.backends.mha`` fast path off (it would skip the math path and ``self_attn`` calls).
 
     The previous value is put back only if nobody changed the setting in between (another
-    callback toggling it with its own hooks, in any order, is not overridden).
+    callback toggling it with its own hooks, in any order, is not overridden). The same rule as
+    ``TorchMHAAdapter.start`` / ``stop`` in :mod:`podmonitor.capture.torch_mha`, which keeps it
+    inline across two methods (no helper there to share).
     """
     previous = torch.backends.mha.get_fastpath_enabled()
     torch.backends.mha.set_fastpath_enabled(False)
@@ -107,6 +109,33 @@ def _mha_fastpath_off() -> Iterator[None]:
     finally:
         if torch.backends.mha.get_fastpath_enabled() is False:
             torch.backends.mha.set_fastpath_enabled(previous)
+
+
+def _tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Every parameter and buffer of ``module`` by name (shared ones once)."""
+    return list(module.named_parameters()) + list(module.named_buffers())
+
+
+def _refresh_from(target: nn.Module, live: nn.Module) -> bool:
+    """Copy every parameter and buffer of ``live`` into ``target`` (its fp32 copy), in place.
+
+    Returns:
+        False, with nothing copied, when the two do not have the same tensor names, shapes and
+        devices (or a floating tensor of ``target`` is not fp32, or a non-floating one changed
+        dtype): the copy must then be made again.
+    """
+    dst, src = _tensors(target), _tensors(live)
+    if [n for n, _ in dst] != [n for n, _ in src]:
+        return False
+    for (_, d), (_, s) in zip(dst, src, strict=True):
+        if d.shape != s.shape or d.device != s.device:
+            return False
+        if d.dtype != (torch.float32 if s.is_floating_point() else s.dtype):
+            return False
+    with torch.no_grad():
+        for (_, d), (_, s) in zip(dst, src, strict=True):
+            d.copy_(s)
+    return True
 
 
 def _additive_mask(mask: Any, causal: bool, batch: int, T: int, dtype: torch.dtype,
@@ -201,11 +230,29 @@ class AttentionSublayer:
     kind: SublayerKind
     hf_model: nn.Module | None = None
     _sig: inspect.Signature | None = field(default=None, repr=False)
+    _fp32: nn.Module | None = field(default=None, repr=False)
 
     def signature(self) -> inspect.Signature:
         if self._sig is None:
             self._sig = inspect.signature(self.module.forward)
         return self._sig
+
+    def fp32_module(self) -> nn.Module:
+        """The module itself when its floating parameters are fp32, else an fp32 copy of it.
+
+        The copy is made once (``copy.deepcopy(module).float()``) and kept; every later call
+        copies the live module's current parameters and buffers into it (``copy_``) instead of
+        copying the whole module again. It is made afresh when the module's parameters or
+        buffers no longer match it (names, shapes or devices changed).
+        """
+        module = self.module
+        if all(p.dtype == torch.float32 for p in module.parameters() if p.is_floating_point()):
+            return module
+        cached = self._fp32
+        if cached is not None and _refresh_from(cached, module):
+            return cached
+        self._fp32 = copy.deepcopy(module).float()  # fp32 copy of a half / bf16 sub-layer
+        return self._fp32
 
     # --------------------------------------------------------------------- input
     def input_of(self, call: CapturedCall) -> torch.Tensor | None:
@@ -345,9 +392,7 @@ class BoundSublayer:
             return t.index_select(0, idx.to(t.device)) if t.dim() >= 2 and t.shape[0] == batch else t
 
         self.x = _plain(x_full.index_select(0, idx))  # (b, T, C)
-        module = sub.module
-        if any(p.dtype != torch.float32 for p in module.parameters() if p.is_floating_point()):
-            module = copy.deepcopy(module).float()  # fp32 copy of a half / bf16 sub-layer
+        module = sub.fp32_module()  # the module, or its cached fp32 copy with the live weights
         self.module = module
         self._hf_model = sub.hf_model if module is sub.module else module
         self.prefix_mode: PrefixMode = "prefix"

@@ -6,6 +6,7 @@ import math
 import re
 
 import numpy as np
+import pytest
 
 from podmonitor.reporting.smoothness import (
     smoothness_images,
@@ -34,7 +35,13 @@ def _result(name: str, with_sigma: bool = True) -> LayerSmoothness:
 def test_scalars_are_named_by_metric_then_layer_and_match_the_layout() -> None:
     s = smoothness_scalars(_result("h.0"), "h.0")
     assert s["smooth/sigma_n32/h.0"] == 2.0 and s["smooth/power_iters/h.0"] == 11.0
-    assert s["smooth/alpha/h.0"] == growth_exponent([16, 32, 64], [1.5, 2.0, 2.5]).alpha
+    # independent reference: the OLS line of ln sigma on ln n (np.polyfit) and its literal R^2
+    ln_n, ln_s = np.log([16.0, 32.0, 64.0]), np.log([1.5, 2.0, 2.5])
+    slope, intercept = np.polyfit(ln_n, ln_s, 1)
+    r2 = 1.0 - np.sum((ln_s - (intercept + slope * ln_n)) ** 2) / np.sum((ln_s - ln_s.mean()) ** 2)
+    assert s["smooth/alpha/h.0"] == pytest.approx(slope, rel=1e-12)
+    assert s["smooth/alpha_r2/h.0"] == pytest.approx(r2, rel=1e-12)
+    assert 0.0 < s["smooth/alpha_r2/h.0"] < 1.0  # three points off a line: a non-trivial R^2
     assert s["smooth/monotone/h.0"] == 1.0 and s["smooth/entropy/h.0"] == 0.8
     layout = smoothness_layout([16, 32, 64])
     patterns = [p for chart in layout["podmonitor smoothness"].values() for p in chart[1]]

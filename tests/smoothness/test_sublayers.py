@@ -19,7 +19,7 @@ from podmonitor.smoothness import (
     measure_sublayer,
 )
 
-from .conftest import TinyHFLM, TinyMHAModel, gpt_attention, value_output_norm
+from .conftest import TinyHFLM, TinyMHAModel, gpt_attention, gpt_value_output_norm, value_output_norm
 
 REL, ROUND = 1e-3, 1e-5
 
@@ -193,3 +193,39 @@ def test_hf_llama_mask_converted_from_sdpa_matches_jacrev() -> None:
 
         _check(sig, exact_jacobian_norm(f, bound.x[:, :n].double()))
     assert res.monotone is True
+
+
+def test_fp32_copy_is_cached_and_follows_the_live_weights() -> None:
+    """A bf16 sub-layer is measured through one fp32 copy, refreshed from the live weights at each bind."""
+    attn = gpt_attention(seed=5).to(torch.bfloat16)
+    holder = nn.Module()
+    holder.attn = attn
+    x = torch.randn(2, 16, 8, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    subs, cap = _capture(holder, lambda: attn(x))
+    (sub,) = subs
+    call = cap.calls[sub.name]
+
+    def measured() -> tuple[float, torch.Tensor, nn.Module]:
+        bound = sub.bind(call, 2)
+        res, _ = measure_sublayer(bound, [1, 16], n_iter=500, tol=1e-7)
+        with torch.no_grad(), bound.calling():
+            y = bound.call(bound.x)[0]
+        return res.sigma[0][0], y, bound.module
+
+    def reference(z: torch.Tensor) -> torch.Tensor:  # an fp32 copy of the live sub-layer made now
+        with torch.no_grad():
+            return copy.deepcopy(attn).float()(z.float(), return_attention=True)[0]
+
+    sigma1, y1, m1 = measured()
+    assert m1 is not attn and all(p.dtype == torch.float32 for p in m1.parameters())
+    assert sigma1 == pytest.approx(gpt_value_output_norm(attn), rel=1e-4)  # n = 1: ||W_o W_v||
+    torch.testing.assert_close(y1, reference(x))
+    with torch.no_grad():  # the live weights change (a training step)
+        attn.c_proj.weight.mul_(2.0)
+        attn.c_attn.weight.copy_(torch.randn(attn.c_attn.weight.shape, generator=torch.Generator().manual_seed(7)))
+    sigma2, y2, m2 = measured()
+    assert m2 is m1  # the same cached copy, not a new deep copy
+    assert all(p.dtype == torch.bfloat16 for p in attn.parameters())  # the live module is untouched
+    assert sigma2 == pytest.approx(gpt_value_output_norm(attn), rel=1e-4)
+    assert abs(sigma2 - sigma1) > 0.1 * sigma1
+    torch.testing.assert_close(y2, reference(x))
