@@ -26,6 +26,11 @@ Load of a layer: ``H*_l / n_l``, POD modes per head.
 Layers without a usable H* (a flagged report) keep their heads and are never dropped from; the
 advice says so.
 
+Bounded-memory ("sketch") reports resolve only the first R modes: when H*(eps) lies beyond R
+(``beyond_resolved[eps]``), ``effective_rank[eps]`` is None, read "more than R". Such a layer (or
+head) is the most complex one, not an unknown one: its demand is the guaranteed lower bound
+``max(effective_rank_bounds[eps][0], R + 1)`` and the evidence says so.
+
 Example:
     >>> advice = advise_from_reports(monitor.last_reports, monitor_layer_names, redundancy)
     >>> print(advice.markdown())
@@ -81,10 +86,15 @@ class LayerEvidence:
         saturated: H*_l(eps) needed every non-zero mode.
         t_spec: T_spec of the layer (NaN when unknown).
         status: the layer report's status.
-        head_ranks: (H,) per-head H*_h(eps) (NaN unknown, 0 for a constant head), or None.
+        head_ranks: (H,) per-head H*_h(eps) (NaN unknown, 0 for a constant head, the sketch lower
+            bound when H*_h lies beyond the head report's resolved rank), or None.
         head_t_spec: (H,) per-head T_spec (NaN unknown), or None.
         redundancy: the layer's :class:`HeadRedundancy`, or None.
         active: (H,) False for heads already pruned (they are neither counted nor dropped again).
+        rank_lower_bound: for a sketch-mode report whose H*_l(eps) lies beyond its resolved rank R
+            (``effective_rank`` None): the guaranteed lower bound ``max(lower bound, R + 1)``, used
+            as the layer's demand; None otherwise.
+        resolved_rank: R of such a report (None otherwise).
     """
 
     name: str
@@ -97,6 +107,13 @@ class LayerEvidence:
     head_t_spec: list[float] | None = None
     redundancy: HeadRedundancy | None = None
     active: list[bool] | None = None
+    rank_lower_bound: int | None = None
+    resolved_rank: int | None = None
+
+    @property
+    def demand(self) -> int | None:
+        """H*_l(eps), else the sketch lower bound, else None (no usable H*)."""
+        return self.effective_rank if self.effective_rank is not None else self.rank_lower_bound
 
     def active_heads(self) -> list[int]:
         return [h for h in range(self.n_heads) if self.active is None or self.active[h]]
@@ -133,6 +150,7 @@ class LayerAdvice:
     status: str
     drop: list[int]  # heads this layer drops to reach min(now, recommended), in order
     evidence: str
+    rank_lower_bound: int | None = None  # sketch mode, H* beyond the resolved rank: the demand used
 
     @property
     def change(self) -> int:
@@ -187,7 +205,12 @@ class HeadAllocationAdvice:
                  f"| layer | heads now | H*({self.eps:g}) | T_spec | recommended | drop first | evidence |",
                  "|---|---|---|---|---|---|---|"]
         for r in self.layers:
-            hstar = "n/a" if r.effective_rank is None else f"{r.effective_rank}{' (sat.)' if r.saturated else ''}"
+            if r.effective_rank is not None:
+                hstar = f"{r.effective_rank}{' (sat.)' if r.saturated else ''}"
+            elif r.rank_lower_bound is not None:
+                hstar = f">= {r.rank_lower_bound} (sketch)"
+            else:
+                hstar = "n/a"
             drop = ", ".join(f"h{h}" for h in r.drop) or "-"
             lines.append(f"| {r.layer} | {r.heads_now} | {hstar} | {_fmt(r.t_spec)} | {r.recommended} | {drop} | "
                          f"{r.evidence} |")
@@ -258,6 +281,24 @@ def report_rank(report: PODReport, eps: float) -> tuple[int | None, bool]:
     return (None if rank is None else int(rank)), bool(_rank_of(head.saturated, eps))
 
 
+def report_rank_lower_bound(report: PODReport, eps: float) -> tuple[int | None, int | None]:
+    """(lower bound, R) when the report is a sketch whose H*(eps) lies beyond its resolved rank R
+    (``effective_rank[eps]`` None, read "more than R"): the lower bound is
+    ``max(effective_rank_bounds[eps][0], R + 1)``. (None, None) otherwise (H* known, or unknown for
+    another reason).
+    """
+    head = report.headline
+    if report.status == "zero_variance" or head is None:
+        return None, None
+    if not _rank_of(getattr(head, "beyond_resolved", None) or {}, eps):
+        return None, None
+    resolved = getattr(head, "resolved_rank", None)
+    bounds = _rank_of(getattr(head, "effective_rank_bounds", None) or {}, eps)
+    lower = bounds[0] if bounds else None
+    return max(int(lower or 0), (int(resolved) if resolved is not None else 0) + 1), \
+        (None if resolved is None else int(resolved))
+
+
 def evidence_from_reports(reports: Mapping[str, PODReport], layer_names: Sequence[str],
                           redundancy: Mapping[str, HeadRedundancy] | None = None, *, eps: float = 0.10,
                           active: Mapping[str, Sequence[bool]] | None = None) -> list[LayerEvidence]:
@@ -283,12 +324,15 @@ def evidence_from_reports(reports: Mapping[str, PODReport], layer_names: Sequenc
         n_heads = max([len(per_head)] + ([red.n_heads] if red is not None else []) +
                       ([len(active[name])] if active and name in active else []))
         rank, sat = report_rank(rep, eps) if rep is not None else (None, False)
+        lower, resolved = report_rank_lower_bound(rep, eps) if rep is not None and rank is None else (None, None)
         head_ranks = head_ts = None
         if per_head:
             head_ranks, head_ts = [], []
             for h in range(n_heads):
                 hr = per_head.get(h)
                 r, _ = report_rank(hr, eps) if hr is not None else (None, False)
+                if r is None and hr is not None:
+                    r, _ = report_rank_lower_bound(hr, eps)  # sketch, H*_h beyond R: its lower bound
                 head_ranks.append(math.nan if r is None else float(r))
                 head_ts.append(float(hr.t_spec) if hr is not None else math.nan)
         out.append(LayerEvidence(
@@ -297,6 +341,7 @@ def evidence_from_reports(reports: Mapping[str, PODReport], layer_names: Sequenc
             status=rep.status if rep is not None else "missing",
             head_ranks=head_ranks, head_t_spec=head_ts, redundancy=red,
             active=list(active[name]) if active and name in active else None,
+            rank_lower_bound=lower, resolved_rank=resolved,
         ))
     return out
 
@@ -365,13 +410,17 @@ def advise_head_allocation(layers: Sequence[LayerEvidence], settings: AdviceSett
     settings = settings or AdviceSettings()
     messages: list[str] = []
     now = [len(ev.active_heads()) for ev in layers]
-    usable = [i for i, ev in enumerate(layers) if ev.effective_rank is not None]
+    usable = [i for i, ev in enumerate(layers) if ev.demand is not None]
     for i, ev in enumerate(layers):
         if i not in usable:
             messages.append(f"{ev.name}: no usable H*({settings.eps:g}) (status {ev.status}); keeps its {now[i]} heads")
-        elif ev.head_ranks is None:
-            messages.append(f"{ev.name}: no per-head analysis; which head to drop is not evidenced")
-    demand = {i: float(layers[i].effective_rank) for i in usable}  # type: ignore[arg-type]
+        else:
+            if ev.effective_rank is None:
+                messages.append(f"{ev.name}: H*({settings.eps:g}) > {ev.resolved_rank} (sketch), using lower bound "
+                                f"{ev.rank_lower_bound} as its demand")
+            if ev.head_ranks is None:
+                messages.append(f"{ev.name}: no per-head analysis; which head to drop is not evidenced")
+    demand = {i: float(layers[i].demand) for i in usable}  # type: ignore[arg-type]
     budget = sum(now[i] for i in usable)
 
     # recommended heads: min_heads each, then one at a time to the largest load H*/r
@@ -411,6 +460,10 @@ def advise_head_allocation(layers: Sequence[LayerEvidence], settings: AdviceSett
         drop = [d.head for d in order if d.layer_index == i][:n_drop]
         if i not in usable:
             text = f"no usable H*({settings.eps:g}) (status {ev.status}): kept as is"
+        elif ev.effective_rank is None:
+            r_text = "?" if ev.resolved_rank is None else str(ev.resolved_rank)
+            text = f"H*({settings.eps:g}) > {r_text} (sketch), using lower bound {ev.rank_lower_bound} for " \
+                   f"{now[i]} heads ({demand[i] / max(now[i], 1):.3g} modes/head at least)"
         else:
             text = f"H*({settings.eps:g}) = {ev.effective_rank} for {now[i]} heads ({demand[i] / max(now[i], 1):.3g} " \
                    f"modes/head)"
@@ -422,7 +475,8 @@ def advise_head_allocation(layers: Sequence[LayerEvidence], settings: AdviceSett
                 text += f"; most similar heads {a}, {b} ({_fmt(s, '.2f')})"
         rows.append(LayerAdvice(layer=ev.name, index=i, heads_now=now[i], recommended=rec[i],
                                 effective_rank=ev.effective_rank, saturated=ev.saturated, t_spec=ev.t_spec,
-                                status=ev.status, drop=drop, evidence=text))
+                                status=ev.status, drop=drop, evidence=text,
+                                rank_lower_bound=ev.rank_lower_bound if ev.effective_rank is None else None))
     return HeadAllocationAdvice(eps=settings.eps, total_budget=budget, layers=rows, drop_order=order,
                                 messages=messages)
 
@@ -437,4 +491,5 @@ __all__ = [
     "advise_head_allocation",
     "evidence_from_reports",
     "report_rank",
+    "report_rank_lower_bound",
 ]

@@ -19,7 +19,14 @@ reversible with :meth:`HeadPruning.restore` until :meth:`HeadPruning.make_perman
 chosen on rank 0 and broadcast, so every process masks the same heads.
 
 Like the monitor it never stops training unless ``strict=True``: a failure becomes one warning and
-the callback tries again at the next trigger.
+the callback tries again at the next trigger point, the end of the next validation run (one attempt,
+one warning, per validation run; not one per training batch).
+
+In DDP every decision that chooses a branch with a collective in it is collective: the readiness is
+read on rank 0 and broadcast, and whether the callback can still prune (a mask on every rank, not
+done yet) is agreed by all ranks, once at the start of fitting and once at the end of every
+validation run (all ranks call these hooks); the training-batch hook itself has no collective
+unless it prunes, and then all ranks prune at the same batch.
 
 Example:
     >>> monitor = PODMonitor(per_head=True)
@@ -169,6 +176,9 @@ class HeadPruning(Callback):
         self.done = False
         self.masker: HeadMasker | None = None
         self._ready_seen = False
+        # armed: every rank may attempt at the next trigger (agreed collectively at fit start and at
+        # every validation end; cleared on all ranks after an attempt, successful or not)
+        self._armed = False
         self._loaded_masker_state: dict[str, Any] | None = None
         self._writer: JSONLinesWriter | None = None
 
@@ -245,22 +255,42 @@ class HeadPruning(Callback):
             self.masker.load_state_dict(self._loaded_masker_state)
             self._loaded_masker_state = None
 
+    def _all_ranks(self, trainer: Trainer, flag: bool) -> bool:
+        """True when ``flag`` holds on every rank (a collective in DDP: call it on all ranks)."""
+        if trainer.world_size > 1:
+            return bool(trainer.strategy.reduce_boolean_decision(bool(flag), all=True))
+        return bool(flag)
+
+    def _arm(self, trainer: Trainer) -> None:
+        """Agree (all ranks) whether the callback may attempt to prune at the next trigger."""
+        self._armed = self._all_ranks(trainer, self.masker is not None and not self.done)
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._arm(trainer)
+
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if trainer.sanity_checking or not self.when_ready or self.done:
+        if trainer.sanity_checking:
             return
-        mon = self._monitor(trainer)
-        readiness = getattr(mon, "readiness", None)
-        self._ready_seen = bool(readiness is not None and readiness.stable)
+        # every rank gets here once per validation run: the collective decisions are taken here
+        if self.when_ready:
+            ready = False
+            if trainer.global_rank == 0:  # the monitor's readiness lives on rank 0
+                readiness = getattr(self._monitor(trainer), "readiness", None)
+                ready = bool(readiness is not None and readiness.stable)
+            if trainer.world_size > 1:
+                ready = bool(trainer.strategy.broadcast(ready, src=0))
+            self._ready_seen = ready
+        self._arm(trainer)  # also re-arms after a failed attempt: the next try is after this run
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        if self.done or self.masker is None:
+        # no collective here unless pruning: _armed, _ready_seen and global_step agree on every rank
+        if not self._armed:
             return
         by_step = self.at_step is not None and trainer.global_step >= self.at_step
         ready = self.when_ready and self._ready_seen
-        if self.when_ready and trainer.world_size > 1:
-            ready = bool(trainer.strategy.broadcast(ready, src=0))
         if not (by_step or ready):
             return
+        self._armed = False  # one attempt per trigger point: a failure waits for the next validation end
         self.prune_now(trainer, pl_module, trigger=f"step {trainer.global_step}" if by_step else "readiness: stable")
 
     def prune_now(self, trainer: Trainer, pl_module: LightningModule, trigger: str = "manual") -> Heads:
@@ -327,7 +357,8 @@ class HeadPruning(Callback):
             self._warn("logging the pruning", err)
 
     def restore(self, trainer: Trainer | None = None) -> None:
-        """Give every pruned head back (see :meth:`HeadMasker.restore`); the callback may prune again."""
+        """Give every pruned head back (see :meth:`HeadMasker.restore`); the callback may prune again
+        (from the next validation end, or the next fit)."""
         if self.masker is None:
             return
         before = {k: list(v) for k, v in self.masker.pruned.items()}

@@ -9,14 +9,16 @@ import pytest
 import torch
 
 from podmonitor import PODConfig, analyze
+from podmonitor.engine.accumulator import PODAccumulator
 from podmonitor.pruning import (
     AdviceSettings,
     HeadRedundancyAccumulator,
     LayerEvidence,
     advise_from_reports,
     advise_head_allocation,
+    evidence_from_reports,
 )
-from tests.pruning.helpers import low_rank_fields
+from tests.pruning.helpers import causal_softmax, low_rank_fields
 
 CFG = PODConfig(n_dominant=1, coherency=False)
 
@@ -129,3 +131,57 @@ def test_settings_are_validated():
     rep = analyze(low_rank_fields(6, 8, 2, seed=0), CFG)
     with pytest.raises(ValueError, match="eps=0.2"):
         advise_from_reports({"l": rep}, ["l"], settings=AdviceSettings(eps=0.2))
+
+
+def _power_law_fields(n: int, L: int, n_patterns: int, seed: int, decay: float = 0.5) -> torch.Tensor:
+    """(n, L, L) causal fields whose fluctuation spans ``n_patterns`` patterns with coefficient
+    standard deviations ``k^-decay`` (a slowly decaying spectrum: high H*)."""
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(L, L, generator=g, dtype=torch.float64)
+    patterns = torch.randn(n_patterns, L, L, generator=g, dtype=torch.float64)
+    sd = torch.arange(1, n_patterns + 1, dtype=torch.float64) ** -decay
+    coef = torch.randn(n, n_patterns, generator=g, dtype=torch.float64) * sd
+    return causal_softmax(base + 0.3 * torch.einsum("sk,kij->sij", coef, patterns))
+
+
+def test_sketch_layer_with_rank_beyond_resolved_uses_the_lower_bound_as_demand():
+    # a real bounded-memory report: 40 decaying patterns, a sketch of 12 rows resolves only a few modes
+    sketch_cfg = PODConfig(n_dominant=1, coherency=False, mode="sketch", sketch_rank=12, sketch_resolve_factor=1.0)
+    acc = PODAccumulator(sketch_cfg)
+    f = _power_law_fields(64, 24, 40, seed=3)
+    for lo in range(0, 64, 16):
+        acc.update(f[lo:lo + 16])
+    complex_rep = acc.compute()
+    head = complex_rep.headline
+    assert head.mode == "sketch" and head.beyond_resolved[0.1] and complex_rep.effective_rank[0.1] is None
+    R = head.resolved_rank
+    lower = max(head.effective_rank_bounds[0.1][0] or 0, R + 1)
+    simple_rep = analyze(low_rank_fields(64, 24, 1, seed=5), sketch_cfg)  # resolved: H* known
+    assert simple_rep.effective_rank[0.1] is not None and simple_rep.effective_rank[0.1] < lower
+    reports = {"layer_00": simple_rep, "layer_01": complex_rep,
+               "layer_01/head_00": complex_rep, "layer_01/head_01": simple_rep}
+    advice = advise_from_reports(reports, ["layer_00", "layer_01"], active={"layer_00": [True] * 4,
+                                                                            "layer_01": [True] * 4})
+    rows = {r.layer: r for r in advice.layers}
+    # the sketch layer is the most complex one: it gains heads, it is not "kept as is"
+    assert advice.total_budget == 8
+    assert rows["layer_01"].recommended > 4 > rows["layer_00"].recommended
+    assert rows["layer_01"].rank_lower_bound == lower and rows["layer_01"].effective_rank is None
+    assert f"H*(0.1) > {R} (sketch), using lower bound {lower}" in rows["layer_01"].evidence
+    assert "kept as is" not in rows["layer_01"].evidence
+    assert all(d.layer == "layer_00" for d in advice.drop_order[:3])
+    assert f">= {lower} (sketch)" in advice.markdown()
+    assert not any("no usable" in m for m in advice.messages)
+    # per head: the head beyond R counts with its lower bound (not as unknown), so it is the more complex
+    (ev0, ev1) = evidence_from_reports(reports, ["layer_00", "layer_01"], active={"layer_00": [True] * 4,
+                                                                                   "layer_01": [True] * 4})
+    assert ev1.head_ranks[:2] == [float(lower), float(simple_rep.effective_rank[0.1])]
+
+
+def test_sketch_lower_bound_on_evidence_drives_the_allocation():
+    layers = [LayerEvidence(name="a", n_heads=4, effective_rank=2),
+              LayerEvidence(name="sk", n_heads=4, effective_rank=None, rank_lower_bound=13, resolved_rank=12)]
+    advice = advise_head_allocation(layers)
+    assert [r.recommended for r in advice.layers] == [1, 7]
+    assert advice.layers[1].evidence.startswith("H*(0.1) > 12 (sketch), using lower bound 13")
+    assert {d.layer for d in advice.drop_order[:3]} == {"a"}

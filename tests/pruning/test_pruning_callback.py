@@ -178,3 +178,98 @@ def test_png_sink_writes_the_table_as_csv(tmp_path):
     PNGSink(tmp_path).log_table("pod/head_allocation_table", ["a", "b"], [[1, None]], step=3)
     assert (tmp_path / "3" / "pod_head_allocation_table.csv").read_text().splitlines() == ["a,b", "1,"]
     assert os.path.exists(tmp_path / "3")
+
+
+@pytest.mark.parametrize("strategy", ["advice", "random"])
+def test_a_failing_selection_is_attempted_once_per_validation_not_once_per_batch(tmp_path, strategy):
+    # "advice" without any advice yet; "random" asked for more heads than can go (2 layers x 3 heads)
+    stub = SimpleNamespace(readiness=None, last_advice=None, history=[], run_dir=lambda trainer: str(tmp_path))
+    pruning = HeadPruning(n_heads=5, strategy=strategy, at_step=1, monitor=stub)
+    attempts: list[int] = []
+    select = pruning.select
+
+    def counting_select(trainer, pl_module, masker):
+        attempts.append(trainer.global_step)
+        return select(trainer, pl_module, masker)
+
+    pruning.select = counting_select
+    validations: list[int] = []
+    counter = L.Callback()
+    counter.on_validation_end = lambda trainer, pl_module: validations.append(trainer.global_step)
+    model = small_model()
+    tr = trainer(tmp_path, [pruning, counter], val_check_interval=2, limit_val_batches=1, max_steps=8)
+    with pytest.warns(Warning) as record:
+        tr.fit(model, *loaders())
+    assert validations == [2, 4, 6, 8]
+    # the first batch at or after at_step, then once after each validation run followed by a batch
+    assert attempts == [1, 2, 4, 6]
+    pruning_warnings = [w for w in record if "HeadPruning: choosing heads failed" in str(w.message)]
+    assert len(pruning_warnings) == len(attempts)
+    assert not pruning.done and pruning.actions == [] and masks(model) == [[1.0] * 3, [1.0] * 3]
+
+
+class _FakeStrategy:
+    """Stands in for a DDP strategy on one process: records the collectives, answers as rank 0 would."""
+
+    def __init__(self, ready_on_rank0: bool, others_able: bool = True) -> None:
+        self.calls: list[str] = []
+        self.ready_on_rank0 = ready_on_rank0
+        self.others_able = others_able
+
+    def broadcast(self, obj, src=0):
+        self.calls.append("broadcast")
+        if isinstance(obj, bool):
+            return self.ready_on_rank0
+        return {0: [1]}, "explicit heads"  # rank 0's choice
+
+    def reduce_boolean_decision(self, decision, all=True):
+        self.calls.append("reduce")
+        return bool(decision) and self.others_able
+
+
+def _fake_ddp_trainer(tmp_path, strategy: _FakeStrategy, rank: int) -> SimpleNamespace:
+    return SimpleNamespace(world_size=2, global_rank=rank, sanity_checking=False, global_step=0, current_epoch=0,
+                           strategy=strategy, callbacks=[], loggers=[], log_dir=None,
+                           default_root_dir=str(tmp_path))
+
+
+def test_readiness_is_broadcast_once_per_validation_and_the_decision_to_prune_is_collective(tmp_path):
+    stub = SimpleNamespace(readiness=SimpleNamespace(stable=False), last_advice=None, history=[],
+                           run_dir=lambda trainer: str(tmp_path / "pm"))
+    # rank 1: its own monitor (never stable there) does not decide; rank 0's broadcast readiness does
+    model = small_model()
+    strat = _FakeStrategy(ready_on_rank0=True)
+    tr = _fake_ddp_trainer(tmp_path, strat, rank=1)
+    pruning = HeadPruning(strategy={0: [1]}, when_ready=True, monitor=stub)
+    pruning.setup(tr, model, "fit")
+    pruning.on_train_start(tr, model)
+    assert strat.calls == ["reduce"]
+    for step in range(5):  # not ready yet: no collective in the training batches
+        tr.global_step = step
+        pruning.on_train_batch_start(tr, model, None, step)
+    assert strat.calls == ["reduce"] and not pruning.done
+    pruning.on_validation_end(tr, model)
+    assert strat.calls == ["reduce", "broadcast", "reduce"]
+    tr.global_step = 5
+    pruning.on_train_batch_start(tr, model, None, 5)  # prunes: rank 0's heads are broadcast
+    assert pruning.done and masks(model)[0] == [1.0, 0.0, 1.0]
+    assert strat.calls == ["reduce", "broadcast", "reduce", "broadcast"]
+    for step in range(6, 10):
+        tr.global_step = step
+        pruning.on_train_batch_start(tr, model, None, step)
+    assert strat.calls == ["reduce", "broadcast", "reduce", "broadcast"]
+
+    # another rank cannot prune (no masker there): nobody enters the pruning collective
+    model2 = small_model()
+    strat2 = _FakeStrategy(ready_on_rank0=True, others_able=False)
+    tr2 = _fake_ddp_trainer(tmp_path, strat2, rank=0)
+    stub.readiness.stable = True
+    pruning2 = HeadPruning(strategy={0: [1]}, when_ready=True, monitor=stub)
+    pruning2.setup(tr2, model2, "fit")
+    pruning2.on_train_start(tr2, model2)
+    pruning2.on_validation_end(tr2, model2)
+    for step in range(5):
+        tr2.global_step = step
+        pruning2.on_train_batch_start(tr2, model2, None, step)
+    assert strat2.calls == ["reduce", "broadcast", "reduce"]
+    assert not pruning2.done and masks(model2)[0] == [1.0, 1.0, 1.0]
