@@ -77,8 +77,11 @@ def band_lags(config: PODConfig, seq_len: int) -> int:
 
 
 def _band_size(seq_len: int, band: int, causal: bool) -> int:
-    """P, the entries of the lag band (lags below ``band``)."""
-    return sum((seq_len - t) * (1 if causal or t == 0 else 2) for t in range(band))
+    """P, the entries of the lag band (lags below ``band``): sum over tau < band of (L - tau),
+    twice for tau > 0 when bidirectional (closed form, no loop over the lags)."""
+    band = max(0, min(band, seq_len))
+    one_side = band * seq_len - band * (band - 1) // 2
+    return one_side if causal or band == 0 else 2 * one_side - seq_len
 
 
 def _fixed_state_bytes(seq_len: int, config: PODConfig, causal: bool) -> int:
@@ -277,6 +280,11 @@ class PODAccumulator:
         self.chunks: list[Tensor] = []  # exact mode: the snapshots in lag-band form, (n_c, P) each
         self.sketch: FrequentDirections | None = None  # sketch mode: replaces the chunks
         self.coherency_acc: CoherencyAccumulator | None = None  # sketch mode, fixed coherency_scale
+        # fixed once L and causality are known (set by _init_state): the sketch rank l
+        # (sketch_rank_for, 0 when no sketch fits) and, in "auto" mode with a budget, the bytes
+        # the exact phase may hold before switching (the budget less the future sketch)
+        self._sketch_rank = 0
+        self._exact_limit: int | None = None
 
     @property
     def mode(self) -> str:
@@ -305,7 +313,17 @@ class PODAccumulator:
         self.m2_fwd = None if causal else torch.zeros(seq_len, seq_len, dtype=dt, device=device)
         self.entropy_sum = torch.zeros(seq_len, dtype=dt, device=device)
         self.band = LagBand.build(seq_len, band_lags(self.config, seq_len), causal)
-        if self.config.mode == "sketch":
+        cfg = self.config
+        self._sketch_rank = sketch_rank_for(seq_len, cfg, causal)
+        budget = cfg.memory_budget_bytes
+        self._exact_limit = budget
+        if budget is not None and cfg.mode == "auto" and self._sketch_rank:
+            # leave room for the sketch (and streamed coherency) next to the snapshots when switching
+            s_dtype = cfg.resolved_storage_dtype
+            self._exact_limit = budget - FrequentDirections.state_bytes(self.band.size, self._sketch_rank, dt, s_dtype)
+            if _streamed_coherency(cfg):
+                self._exact_limit -= 3 * seq_len * seq_len * torch.empty((), dtype=dt).element_size()
+        if cfg.mode == "sketch":
             self._start_sketch()
 
     def _start_sketch(self) -> None:
@@ -316,7 +334,7 @@ class PODAccumulator:
         """
         assert self.seq_len is not None and self.band is not None and self.causal is not None
         cfg = self.config
-        rank = sketch_rank_for(self.seq_len, cfg, self.causal)
+        rank = self._sketch_rank  # sketch_rank_for(L, config, causal), computed once in _init_state
         if rank == 0:
             raise MemoryBudgetError(_no_sketch_message(self.seq_len, cfg, self.causal))
         self.sketch = FrequentDirections(self.band.size, rank, dtype=cfg.dtype,
@@ -410,12 +428,9 @@ class PODAccumulator:
         budget = self.config.memory_budget_bytes
         if budget is not None and self.sketch is None:
             need = self.nbytes() + x.shape[0] * self.band.size * torch.empty((), dtype=s_dtype).element_size()
-            limit = budget
-            rank = sketch_rank_for(seq_len, self.config, causal) if self.config.mode == "auto" else 0
-            if rank:  # leave room for the sketch (and streamed coherency) next to the snapshots when switching
-                limit = budget - FrequentDirections.state_bytes(self.band.size, rank, self.config.dtype, s_dtype)
-                if _streamed_coherency(self.config):
-                    limit -= 3 * seq_len * seq_len * x.element_size()
+            # rank and limit are fixed after _init_state (no per-update recomputation)
+            rank = self._sketch_rank if self.config.mode == "auto" else 0
+            limit = self._exact_limit if self._exact_limit is not None else budget
             if need > limit and rank:
                 self._start_sketch()
             elif need > limit:
@@ -514,7 +529,7 @@ class PODAccumulator:
             self.chunks.extend(c.to(dev) for c in other.chunks)
             budget = self.config.memory_budget_bytes
             if self.config.mode == "auto" and budget is not None and self.nbytes() > budget \
-                    and sketch_rank_for(self.seq_len, self.config, self.causal):
+                    and self._sketch_rank:
                 self._start_sketch()
         self.n_skipped_nonfinite += other.n_skipped_nonfinite
         self.n_negative += other.n_negative
