@@ -20,6 +20,22 @@ STATUSES = {
 }
 
 
+def eps_lookup(d: Any, eps: float) -> Any:
+    """``d[eps]`` for a dict keyed by eps (H*(eps), saturation flags, bounds), tolerant of float
+    round-off and of string keys ("0.1" after a JSON round trip); None when absent."""
+    if not d:
+        return None
+    if eps in d:
+        return d[eps]
+    for k, v in d.items():
+        try:
+            if math.isclose(float(k), eps, rel_tol=1e-9):
+                return v
+        except (TypeError, ValueError):
+            continue
+    return None
+
+
 def _jsonable(x: Any) -> Any:
     """Tensors -> lists, non-finite floats -> None (strict JSON has no NaN/inf)."""
     if isinstance(x, Tensor):

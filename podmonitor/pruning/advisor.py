@@ -45,7 +45,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ..engine.report import PODReport
+from ..engine.report import PODReport, eps_lookup
+from ..reporting.sinks import strict_jsonable
 from .redundancy import HeadRedundancy
 
 _HEAD_KEY = re.compile(r"^(?P<layer>.+)/head_(?P<head>\d+)$")
@@ -224,23 +225,13 @@ class HeadAllocationAdvice:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable (non-finite floats become None)."""
-        return _jsonable({
+        return strict_jsonable({
             "eps": self.eps,
             "total_budget": self.total_budget,
             "layers": [asdict(r) for r in self.layers],
             "drop_order": [asdict(d) for d in self.drop_order],
             "messages": list(self.messages),
         })
-
-
-def _jsonable(x: Any) -> Any:
-    if isinstance(x, float):
-        return x if math.isfinite(x) else None
-    if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
-    return x
 
 
 def _num(x: float) -> float | None:
@@ -251,16 +242,6 @@ def _fmt(x: float | None, spec: str = ".3g") -> str:
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return "n/a"
     return format(x, spec)
-
-
-def _rank_of(d: Mapping[Any, Any], eps: float) -> Any:
-    for k, v in d.items():
-        try:
-            if math.isclose(float(k), eps, rel_tol=1e-9):
-                return v
-        except (TypeError, ValueError):
-            continue
-    return None
 
 
 def report_rank(report: PODReport, eps: float) -> tuple[int | None, bool]:
@@ -277,8 +258,8 @@ def report_rank(report: PODReport, eps: float) -> tuple[int | None, bool]:
     head = report.headline
     if head is None:
         return None, False
-    rank = _rank_of(head.effective_rank, eps)
-    return (None if rank is None else int(rank)), bool(_rank_of(head.saturated, eps))
+    rank = eps_lookup(head.effective_rank, eps)
+    return (None if rank is None else int(rank)), bool(eps_lookup(head.saturated, eps))
 
 
 def report_rank_lower_bound(report: PODReport, eps: float) -> tuple[int | None, int | None]:
@@ -290,10 +271,10 @@ def report_rank_lower_bound(report: PODReport, eps: float) -> tuple[int | None, 
     head = report.headline
     if report.status == "zero_variance" or head is None:
         return None, None
-    if not _rank_of(getattr(head, "beyond_resolved", None) or {}, eps):
+    if not eps_lookup(getattr(head, "beyond_resolved", None) or {}, eps):
         return None, None
     resolved = getattr(head, "resolved_rank", None)
-    bounds = _rank_of(getattr(head, "effective_rank_bounds", None) or {}, eps)
+    bounds = eps_lookup(getattr(head, "effective_rank_bounds", None) or {}, eps)
     lower = bounds[0] if bounds else None
     return max(int(lower or 0), (int(resolved) if resolved is not None else 0) + 1), \
         (None if resolved is None else int(resolved))

@@ -20,7 +20,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from ..engine.report import PODReport
+from ..engine.report import PODReport, eps_lookup
 
 __all__ = ["METRIC_TITLES", "custom_scalars_layout", "eps_label", "layer_scalars", "metric_names",
            "summary_markdown"]
@@ -149,15 +149,7 @@ def layer_scalars(report: PODReport, layer_name: str, *, prefix: str = "pod",
 
 def _lookup(d: dict, eps: float) -> Any:
     """d[eps] tolerant of float round-off in the key (0.1 vs 0.1000000001)."""
-    if eps in d:
-        return d[eps]
-    for k, v in d.items():
-        try:
-            if math.isclose(float(k), eps, rel_tol=1e-9):
-                return v
-        except (TypeError, ValueError):
-            continue
-    return None
+    return eps_lookup(d, eps)
 
 
 def custom_scalars_layout(layer_names: Sequence[str] | None = None, prefix: str = "pod", *,
