@@ -21,7 +21,7 @@ from podmonitor.capture._util import accepts, get_arg, layer_names, set_arg, str
 from podmonitor.capture.base import CaptureAdapter, CapturedAttention
 
 
-def _pretrained_model_class() -> type | None:
+def pretrained_model_class() -> type | None:
     """``transformers.PreTrainedModel`` if transformers is already imported, else None."""
     if "transformers" not in sys.modules:
         return None
@@ -42,7 +42,7 @@ def find_pretrained_model(module: nn.Module) -> tuple[str, nn.Module]:
         ValueError: there is none, or several (name the one to use with
             ``HuggingFaceAdapter(model="path.to.it")``).
     """
-    ptm = _pretrained_model_class()
+    ptm = pretrained_model_class()
     if ptm is None:
         raise ValueError(f"{type(module).__name__} contains no transformers.PreTrainedModel (transformers not loaded)")
     if isinstance(module, ptm):
@@ -66,7 +66,7 @@ def find_pretrained_model(module: nn.Module) -> tuple[str, nn.Module]:
 
 def _configs(model: nn.Module) -> list[Any]:
     """Every config object of ``model`` and its Hugging Face submodels, sub-configs included."""
-    ptm = _pretrained_model_class()
+    ptm = pretrained_model_class()
     found: dict[int, Any] = {}
 
     def add(cfg: Any) -> None:
@@ -179,7 +179,7 @@ class HuggingFaceAdapter(CaptureAdapter):
 
     @classmethod
     def applies(cls, module: nn.Module) -> bool:
-        ptm = _pretrained_model_class()
+        ptm = pretrained_model_class()
         return ptm is not None and any(isinstance(m, ptm) for m in module.modules())
 
     def _resolve(self, module: nn.Module) -> nn.Module:

@@ -32,7 +32,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
-import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -192,16 +191,6 @@ def _hf_eager(model: nn.Module | None) -> Iterator[None]:
             current.update(attrs)
 
 
-def _pretrained_class() -> type | None:
-    if "transformers" not in sys.modules:
-        return None
-    try:
-        from transformers import PreTrainedModel
-    except ImportError:  # pragma: no cover - broken installation
-        return None
-    return PreTrainedModel
-
-
 # --------------------------------------------------------------------------------------------
 # sub-layers
 
@@ -311,9 +300,10 @@ def find_attention_sublayers(module: nn.Module, paths: Sequence[str] | None = No
     Raises:
         ValueError: a path names no submodule or a module of no supported kind.
     """
+    from podmonitor.capture.huggingface import pretrained_model_class
     from podmonitor.models.gpt import CausalSelfAttention
 
-    ptm = _pretrained_class()
+    ptm = pretrained_model_class()
 
     def hf_owner(path: str) -> nn.Module | None:
         if ptm is None:
