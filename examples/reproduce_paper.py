@@ -35,11 +35,9 @@ CONFIGS = HERE / "configs"
 
 
 def _f(x: Any, spec: str = ".3f") -> str:
-    try:
-        v = float(x)
-    except (TypeError, ValueError):
-        return ""
-    return format(v, spec) if math.isfinite(v) else "nan"
+    from podmonitor.cli import fmt_number
+
+    return fmt_number(x, spec, missing="")
 
 
 def train(config: Path, out: Path, name: str, seed: int, extra: list[str]) -> dict[str, Any]:

@@ -32,11 +32,12 @@ from .data import CharDataModule
 from .models import GPTLightningModule
 
 
-def _fmt(x: Any, spec: str = ".3f") -> str:
+def fmt_number(x: Any, spec: str = ".3f", missing: str = "-") -> str:
+    """``x`` formatted with ``spec``; "nan" for a non-finite value, ``missing`` for a non-number."""
     try:
         v = float(x)
     except (TypeError, ValueError):
-        return "-"
+        return missing
     return format(v, spec) if math.isfinite(v) else "nan"
 
 
@@ -60,10 +61,10 @@ def layer_table(monitor: Any) -> str:
             "layer": str(name),
             "status": str(rep.status),
             "dominant scales": ", ".join(f"{a:.1f}" for a in rep.dominant_scales) or "-",
-            "T_spec": _fmt(rep.t_spec),
-            "R^2": _fmt(rep.r2),
+            "T_spec": fmt_number(rep.t_spec),
+            "R^2": fmt_number(rep.r2),
             "H*(0.10)": "-" if h is None else f"{h}{'+' if sat else ''}",
-            "mean dist": _fmt(rep.mean_attention_distance, ".1f"),
+            "mean dist": fmt_number(rep.mean_attention_distance, ".1f"),
         })
     return format_table(rows)
 
