@@ -757,15 +757,35 @@ class PODAccumulator:
         total = float(lam.sum())
         fit = spectral_fit(lam, cfg.k_fit, cfg.eig_floor)
         er = effective_rank(lam, cfg.eps, cfg.eig_floor)
-        axis, profiles = mode_lag_profiles(res.modes, lags, self.causal)
+        signs, axis, profiles, fields = self._signed_modes(res.modes, lags)
+        return self._scale_report(
+            scale, n_lags, lam, total, fit, axis, profiles, fields,
+            effective_rank=er.ranks,
+            saturated=er.saturated,
+            n_nonzero=er.n_nonzero,
+            coefficients=(res.coefficients * signs.unsqueeze(0)).cpu(),
+            mode="exact",
+            error_bound=0.0,
+            resolved_rank=er.n_nonzero,
+            effective_rank_bounds={e: [r, r] for e, r in er.ranks.items()},
+            beyond_resolved={e: False for e in er.ranks},
+        )
+
+    def _signed_modes(self, modes: Tensor, lags: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+        """Mode lag profiles with the sign convention applied: (signs (K,), lag axis, profiles (K, T),
+        dense mode fields (K, L, L) or None unless ``keep_mode_fields``)."""
+        assert self.band is not None and self.causal is not None
+        axis, profiles = mode_lag_profiles(modes, lags, self.causal)
         signs = fix_signs(profiles)
-        profiles = profiles * signs.unsqueeze(1)
-        modes = res.modes * signs.unsqueeze(1)
-        coefficients = res.coefficients * signs.unsqueeze(0)
-        fields = self.band.to_dense(modes) if cfg.keep_mode_fields else None
+        fields = self.band.to_dense(modes * signs.unsqueeze(1)) if self.config.keep_mode_fields else None
+        return signs, axis, profiles * signs.unsqueeze(1), fields
+
+    def _scale_report(self, scale: float, n_lags: int, lam: Tensor, total: float, fit: Any, axis: Tensor,
+                      profiles: Tensor, fields: Tensor | None, **mode_specific: Any) -> ScaleReport:
+        """The fields of a :class:`ScaleReport` common to exact and sketch mode, plus ``mode_specific``."""
         return ScaleReport(
             scale=scale,
-            window=cfg.window,
+            window=self.config.window,
             n_lags=n_lags,
             eigenvalues=lam.cpu(),
             energy_fractions=(lam / total).cpu() if total > 0 else torch.zeros_like(lam).cpu(),
@@ -775,18 +795,10 @@ class PODAccumulator:
             r2=fit.r2,
             n_fit=fit.n_points,
             status=fit.status if total > 0 else "zero_variance",
-            effective_rank=er.ranks,
-            saturated=er.saturated,
-            n_nonzero=er.n_nonzero,
             lags=axis.cpu(),
             mode_lag_profiles=profiles.cpu(),
             modes=None if fields is None else fields.cpu(),
-            coefficients=coefficients.cpu(),
-            mode="exact",
-            error_bound=0.0,
-            resolved_rank=er.n_nonzero,
-            effective_rank_bounds={e: [r, r] for e, r in er.ranks.items()},
-            beyond_resolved={e: False for e in er.ranks},
+            **mode_specific,
         )
 
     def _analyse_scale_sketch(self, scale: float, n_lags: int, lags: Tensor, weights: Tensor) -> ScaleReport:
@@ -806,29 +818,12 @@ class PODAccumulator:
                                                                  resolved)
         if err == 0:  # exact: "needs every mode" is decidable
             saturated = {e: r is not None and r >= n_nonzero for e, r in ranks.items()}
-        axis, profiles = mode_lag_profiles(res.modes, lags, self.causal)
-        signs = fix_signs(profiles)
-        profiles = profiles * signs.unsqueeze(1)
-        modes = res.modes * signs.unsqueeze(1)
-        fields = self.band.to_dense(modes) if cfg.keep_mode_fields else None
-        return ScaleReport(
-            scale=scale,
-            window=cfg.window,
-            n_lags=n_lags,
-            eigenvalues=lam.cpu(),
-            energy_fractions=(lam / total).cpu() if total > 0 else torch.zeros_like(lam).cpu(),
-            total_energy=total,
-            t_spec=fit.t_spec,
-            beta=fit.beta,
-            r2=fit.r2,
-            n_fit=fit.n_points,
-            status=fit.status if total > 0 else "zero_variance",
+        _, axis, profiles, fields = self._signed_modes(res.modes, lags)
+        return self._scale_report(
+            scale, n_lags, lam, total, fit, axis, profiles, fields,
             effective_rank=ranks,
             saturated=saturated,
             n_nonzero=n_nonzero,
-            lags=axis.cpu(),
-            mode_lag_profiles=profiles.cpu(),
-            modes=None if fields is None else fields.cpu(),
             coefficients=None,
             mode="sketch",
             error_bound=err,
