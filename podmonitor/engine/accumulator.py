@@ -34,7 +34,9 @@ from torch import Tensor
 from .coherency import CoherencyAccumulator
 from .config import PODConfig
 from .lags import (
+    SUB_BYTES,
     LagBand,
+    LagShear,
     lag_moment,
     lag_signals,
     lag_window,
@@ -50,9 +52,6 @@ from .spectrum import effective_rank, spectral_fit
 from .wavelets import dominant_scale_indices, scale_centroid, scalogram_from_moment
 
 STATE_VERSION = 2  # version 1 (exact only) states still load
-
-#: Size of one sub-batch of fields processed at a time by ``update`` (bytes).
-UPDATE_BYTES = 32 * 2**20
 
 
 class MemoryBudgetError(RuntimeError):
@@ -355,9 +354,7 @@ class PODAccumulator:
         assert self.sketch is not None and self.band is not None
         self.sketch.update(rows)
         if self.coherency_acc is not None:
-            sub = max(1, UPDATE_BYTES // (4 * 8 * self.band.seq_len ** 2))  # fields + 3 transforms
-            for start in range(0, rows.shape[0], sub):
-                self.coherency_acc.update(self.band.to_dense(rows[start:start + sub].to(self.config.dtype)))
+            self.coherency_acc.update_band(self.band, rows)
 
     # ----------------------------------------------------------------- update
     def _validate(self, fields: Any) -> Tensor:
@@ -410,7 +407,6 @@ class PODAccumulator:
             return 0
         seq_len = x.shape[1]
         device = self._device if self._device is not None else x.device
-        x = x.to(device=device, dtype=self.config.dtype)
         upper = max_above_diagonal(x)
         causal = self.causal
         if causal is None:
@@ -447,27 +443,55 @@ class PODAccumulator:
         any_negative = bool(x.amin() < 0)  # one reduction; count per snapshot only when needed
         if any_negative:
             self.n_negative += int((x < 0).flatten(1).any(dim=1).sum())
+        self._add_batch(x, causal, any_negative)
+        return x.shape[0]
 
-        # Work through the batch in sub-batches of bounded size, so that the temporaries of an
-        # update stay small whatever the batch size (the result does not depend on the split).
-        n_b = x.shape[0]
-        sub = max(1, UPDATE_BYTES // (x.element_size() * seq_len * seq_len))
-        for start in range(0, n_b, sub):
-            part = x[start:start + sub]
-            # Chan et al. pairwise update of the mean field and the centred lag moments.
-            mean_p = part.mean(0)  # (L, L)
-            dev = part - mean_p
-            m2p_back = lag_moment(lag_signals(dev, upper_is_zero=causal))
-            m2p_fwd = None if causal else lag_moment(lag_signals(dev, forward=True).flip(1))
-            del dev
-            self._combine(part.shape[0], mean_p, m2p_back, m2p_fwd)
-            h_sum, _ = row_entropy(part, causal, has_negative=any_negative)
-            self.entropy_sum += h_sum
-            if self.sketch is not None:
-                self._sketch_band_rows(self.band.extract(part))
+    def _add_batch(self, x: Tensor, causal: bool, any_negative: bool) -> None:
+        """Add (B, L, L) checked fields: moments about the batch mean, entropies, stored band entries.
+
+        Works through the batch a few fields at a time (``SUB_BYTES`` of fields per step) in
+        buffers allocated once per call: the batch is never copied whole (not even to change its
+        dtype or device), and each step's temporaries stay in cache.
+        """
+        assert self.band is not None and self.entropy_sum is not None
+        cfg = self.config
+        dt, dev, seq_len, n_b = cfg.dtype, self.device, x.shape[1], x.shape[0]
+        s_dtype = cfg.resolved_storage_dtype
+        # Centring about the batch's own mean makes each step's moment exact without the
+        # between-group terms; one Chan et al. combination per batch merges it into the state.
+        mean_b = x.mean(0, dtype=dt).to(dev) if x.is_floating_point() else x.to(dt).mean(0).to(dev)
+        step = max(1, min(n_b, SUB_BYTES // (torch.empty((), dtype=dt).element_size() * seq_len * seq_len)))
+        shear = LagShear(seq_len, step, dt, dev)
+        m2b_back = torch.zeros(seq_len, seq_len, dtype=dt, device=dev)
+        m2b_fwd = None if causal else torch.zeros(seq_len, seq_len, dtype=dt, device=dev)
+        h_sum = torch.zeros(seq_len, dtype=dt, device=dev)
+        work = torch.empty(step, seq_len, seq_len, dtype=dt, device=dev)
+        convert = None if x.dtype == dt and x.device == dev else torch.empty_like(work)
+        index = self.band.flat_index.to(dev).unsqueeze(0)
+        store = None if self.sketch is not None else torch.empty(n_b, self.band.size, dtype=s_dtype, device=dev)
+        for start in range(0, n_b, step):
+            stop = min(n_b, start + step)
+            part = x[start:stop]
+            if convert is not None:
+                part = convert[:stop - start].copy_(part)
+            shear.load(part, mean_b)
+            shear.add_backward_moment(m2b_back)
+            if m2b_fwd is not None:
+                shear.add_forward_moment(m2b_fwd)
+            h_sum += row_entropy(part, causal, has_negative=any_negative, work=work)[0]
+            flat = part.reshape(stop - start, -1)
+            rows = index.expand(stop - start, -1)
+            if store is None:
+                self._sketch_band_rows(torch.gather(flat, 1, rows))
+            elif s_dtype == dt:
+                torch.gather(flat, 1, rows, out=store[start:stop])  # (the fastest gather here)
             else:
-                self.chunks.append(self.band.extract(part).to(s_dtype))
-        return n_b
+                store[start:stop] = torch.gather(flat, 1, rows)
+        self._combine(n_b, mean_b, shear.finish(m2b_back, backward=True),
+                      None if m2b_fwd is None else shear.finish(m2b_fwd, backward=False))
+        self.entropy_sum += h_sum
+        if store is not None:
+            self.chunks.append(store)
 
     def _combine(self, n_b: int, mean_b: Tensor, m2b_back: Tensor, m2b_fwd: Tensor | None) -> None:
         """Merge a group of n_b snapshots (mean, centred moments) into the running state."""
@@ -840,10 +864,8 @@ class PODAccumulator:
         else:
             acc = CoherencyAccumulator(self.seq_len, scale, self.config.omega0, self.config.dtype, self.device,
                                        causal=bool(self.causal))
-            sub = max(1, UPDATE_BYTES // (4 * 8 * self.seq_len * self.seq_len))  # fields + 3 transforms
             for chunk in self.chunks:
-                for start in range(0, chunk.shape[0], sub):
-                    acc.update(self.band.to_dense(chunk[start:start + sub].to(self.config.dtype)))
+                acc.update_band(self.band, chunk)
         gamma = acc.compute()
         self._coherency_reach = acc.reach if self.causal else None
         if self.band.n_lags < self.seq_len:

@@ -4,9 +4,12 @@
 where ``W_i`` is the Morlet CWT of row i of a snapshot as a function of key position and
 ``<.>_s`` the mean over snapshots. Values lie in [0, 1] (Cauchy-Schwarz).
 
-The transform of all rows is one pair of real matrix products with the (L, L) Toeplitz matrix
-K_a of the transform (``W = X K_a^T``); for causal fields row i is zero beyond key i, so a block
-of rows only needs the leading columns of X.
+The transform of all rows is one real matrix product with the (L, 2L) matrix ``[K_a^T re | K_a^T im]``
+of the transform (``W = X K_a^T``, K_a Toeplitz); for causal fields row i is zero beyond key i, so
+a block of rows only needs the leading columns of X. The power ``sum_s |W_i(j)|^2`` needs every
+transform; the cross term is linear in the rows: with ``c_si = W_si(i)`` and
+``v_i = sum_s c_si x_si`` (one vector per row), ``sum_s c_si conj(W_si(j)) = (conj(K_a) v_i)_j``,
+so it costs one (L, L) product per update instead of a pass over all transforms.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import math
 import torch
 from torch import Tensor
 
+from .lags import SUB_BYTES, LagBand
 from .wavelets import cwt, cwt_operators
 
 #: Above this length the transform uses FFTs instead of the Toeplitz matrix product.
@@ -51,6 +55,8 @@ class CoherencyAccumulator:
         op = cwt_operators(seq_len, self._scales, omega0)[0]  # (t, k) = kernel[(t - k) mod 2L]
         self._op_re_t = op.real.T.contiguous()  # (L keys, L positions)
         self._op_im_t = op.imag.T.contiguous()
+        self._ops: dict[int, Tensor] = {}
+        self._band_indices: dict[tuple[int, ...], tuple[Tensor, Tensor]] = {}
         # How far right of its last key a row's transform is above REACH_TOL of the kernel's peak.
         kernel = op[:, 0].abs()  # |kernel[d]|, d = t >= 0
         above = torch.nonzero(kernel >= REACH_TOL * kernel.max()).flatten()
@@ -75,19 +81,57 @@ class CoherencyAccumulator:
                 out.append((start, stop, seq_len, seq_len))
         return out
 
-    def _transform(self, rows: Tensor, n_keys: int, width: int) -> tuple[Tensor, Tensor]:
-        """(B, r, L) rows -> real and imaginary parts of W_i(a, j) for j < width, each (B, r, width)."""
-        if self.seq_len > FFT_ABOVE:
-            # O(L^2 log L) per snapshot beats the O(L^3) matrix product at long lengths
-            w = torch.empty(*rows.shape, dtype=self._complex_dtype, device=rows.device)
-            for s in range(rows.shape[0]):
-                w[s] = cwt(rows[s], self._scales, self.omega0)[:, 0, :]
-            return w.real[..., :width], w.imag[..., :width]
-        n_snap, n_rows, _ = rows.shape
-        flat = rows[..., :n_keys].reshape(-1, n_keys)
-        w_re = (flat @ self._op_re_t[:n_keys, :width]).reshape(n_snap, n_rows, width)
-        w_im = (flat @ self._op_im_t[:n_keys, :width]).reshape(n_snap, n_rows, width)
-        return w_re, w_im
+    def _operator(self, width: int) -> Tensor:
+        """(L keys, 2 width): real then imaginary part of the transform at positions < width."""
+        op = self._ops.get(width)
+        if op is None:
+            op = torch.cat([self._op_re_t[:, :width], self._op_im_t[:, :width]], dim=1)
+            self._ops[width] = op
+        return op
+
+    def _add_block(self, rows: Tensor, start: int, width: int, v_re: Tensor, v_im: Tensor) -> None:
+        """Add one block of query rows of a few snapshots.
+
+        Args:
+            rows: (B, r, k) rows ``start .. start + r`` of B snapshots, their first k keys (the
+                rest is zero).
+            start: the first row.
+            width: positions computed (the rest carries no signal).
+            v_re, v_im: (L, L) running ``v_i = sum_s W_si(i) x_si``, updated in place.
+        """
+        n_snap, n_rows, n_keys = rows.shape
+        flat = rows.reshape(n_snap * n_rows, n_keys)
+        w = flat @ self._operator(width)[:n_keys]  # (B r, 2 width): re | im
+        w3 = w.view(n_snap, n_rows * 2 * width)
+        local = torch.arange(n_rows, device=rows.device)
+        at_row = local * (2 * width) + start + local  # W_si(i), real part, within a snapshot's block
+        c = torch.stack([w3[:, at_row], w3[:, at_row + width]], dim=1)  # (B, 2, r)
+        v = torch.einsum("scq,sqk->cqk", c, rows)  # (2, r, k)
+        v_re[start:start + n_rows, :n_keys] += v[0]
+        v_im[start:start + n_rows, :n_keys] += v[1]
+        sq = w.square_().view(n_snap, n_rows * 2 * width).sum(0).view(n_rows, 2, width)  # (sum over s first:
+        self.power[start:start + n_rows, :width] += sq[:, 0] + sq[:, 1]  # a contiguous reduction)
+
+    def _add_cross(self, v_re: Tensor, v_im: Tensor) -> None:
+        """cross += V conj(K)^T, i.e. ``sum_s W_si(i) conj(W_si(j))`` for every (i, j)."""
+        if self.seq_len > FFT_ABOVE:  # conj(K v) = conj(cwt(conj(v))), row by row, by FFT
+            w = cwt(torch.complex(v_re, -v_im), self._scales, self.omega0)[:, 0, :]
+            self.cross_re += w.real
+            self.cross_im -= w.imag
+            return
+        op = self._operator(self.seq_len)  # [Kr^T | Ki^T]
+        seq_len = self.seq_len
+        a = v_re @ op  # [Vr Kr^T | Vr Ki^T]
+        b = v_im @ op  # [Vi Kr^T | Vi Ki^T]
+        # V conj(K)^T = (Vr Kr^T + Vi Ki^T) + 1j (Vi Kr^T - Vr Ki^T)
+        self.cross_re += a[:, :seq_len] + b[:, seq_len:]
+        self.cross_im += b[:, :seq_len] - a[:, seq_len:]
+
+    def _batch_size(self) -> int:
+        """Snapshots per step: the transforms of one block of rows stay within ``SUB_BYTES``."""
+        rows = self._row_blocks()[0]
+        per_snapshot = (rows[1] - rows[0]) * 2 * self.seq_len * self.power.element_size()
+        return max(1, 2 * SUB_BYTES // max(1, per_snapshot))
 
     def update(self, fields: Tensor) -> None:
         """Add snapshots.
@@ -96,18 +140,71 @@ class CoherencyAccumulator:
             fields: (B, L, L) raw attention fields (rows are queries).
         """
         x = fields.to(self.power.dtype)
-        for start, stop, n_keys, width in self._row_blocks():
-            w_re, w_im = self._transform(x[:, start:stop], n_keys, width)  # (B, r, width)
-            rows = torch.arange(stop - start, device=x.device)
-            d_re = w_re[:, rows, rows + start]  # (B, r): W_i(a, i)
-            d_im = w_im[:, rows, rows + start]
-            # W_i(i) conj(W_i(j)) = (d_re w_re + d_im w_im) + 1j (d_im w_re - d_re w_im)
-            self.cross_re[start:stop, :width] += (torch.einsum("bi,bij->ij", d_re, w_re)
-                                                  + torch.einsum("bi,bij->ij", d_im, w_im))
-            self.cross_im[start:stop, :width] += (torch.einsum("bi,bij->ij", d_im, w_re)
-                                                  - torch.einsum("bi,bij->ij", d_re, w_im))
-            self.power[start:stop, :width] += w_re.square().sum(0) + w_im.square().sum(0)
+        v_re = torch.zeros_like(self.power)
+        v_im = torch.zeros_like(self.power)
+        if self.seq_len > FFT_ABOVE:
+            # O(L^2 log L) per snapshot beats the O(L^3) matrix product at long lengths
+            diag = torch.arange(self.seq_len, device=x.device)
+            for s in range(x.shape[0]):
+                w = cwt(x[s], self._scales, self.omega0)[:, 0, :]  # (L rows, L positions)
+                c = w[diag, diag]  # (L,)
+                v_re += c.real.unsqueeze(1) * x[s]
+                v_im += c.imag.unsqueeze(1) * x[s]
+                self.power += w.real.square() + w.imag.square()
+        else:
+            step = self._batch_size()
+            for start, stop, n_keys, width in self._row_blocks():
+                for s0 in range(0, x.shape[0], step):
+                    self._add_block(x[s0:s0 + step, start:stop, :n_keys], start, width, v_re, v_im)
+        self._add_cross(v_re, v_im)
         self.n += x.shape[0]
+
+    def update_band(self, band: LagBand, entries: Tensor) -> None:
+        """Add snapshots stored in lag-band form, without rebuilding the dense fields.
+
+        Args:
+            band: the layout of ``entries``.
+            entries: (B, P') band entries (a prefix P' of the band; entries beyond it are zero).
+        """
+        if self.seq_len > FFT_ABOVE:
+            step = max(1, SUB_BYTES // (self.seq_len * self.seq_len * 8))
+            for s0 in range(0, entries.shape[0], step):
+                self.update(band.to_dense(entries[s0:s0 + step].to(self.power.dtype)))
+            return
+        v_re = torch.zeros_like(self.power)
+        v_im = torch.zeros_like(self.power)
+        step = self._batch_size()
+        dt = self.power.dtype
+        for start, stop, n_keys, width in self._row_blocks():
+            index, outside = self._band_index(band, entries.shape[1], start, stop, n_keys)
+            for s0 in range(0, entries.shape[0], step):
+                part = entries[s0:s0 + step]
+                rows = torch.gather(part, 1, index.expand(part.shape[0], -1)).to(dt)
+                rows.masked_fill_(outside, 0)
+                self._add_block(rows.view(part.shape[0], stop - start, n_keys), start, width, v_re, v_im)
+        self._add_cross(v_re, v_im)
+        self.n += entries.shape[0]
+
+    def _band_index(self, band: LagBand, width: int, start: int, stop: int, n_keys: int) -> tuple[Tensor, Tensor]:
+        """Gather index (1, r k) into band entries for rows [start, stop), keys < k, and the mask of
+        the (row, key) pairs outside the stored prefix (zero there)."""
+        key = (band.seq_len, band.n_lags, band.causal, width, start, stop, n_keys)
+        cached = self._band_indices.get(key)
+        if cached is not None:
+            return cached
+        seq_len = self.seq_len
+        device = self.power.device
+        where = torch.full((seq_len * seq_len,), width, dtype=torch.int64)
+        where[band.flat_index[:width]] = torch.arange(width)
+        rows = torch.arange(start, stop).unsqueeze(1)
+        keys = torch.arange(n_keys).unsqueeze(0)
+        pos = where[(rows * seq_len + keys).reshape(-1)]
+        outside = pos == width
+        out = (pos.masked_fill(outside, 0).unsqueeze(0).to(device), outside.unsqueeze(0).to(device))
+        if len(self._band_indices) > 64:
+            self._band_indices.clear()
+        self._band_indices[key] = out
+        return out
 
     def beyond_reach(self) -> Tensor:
         """(L, L) bool: positions a causal row's transform does not reach (j > i + reach)."""
