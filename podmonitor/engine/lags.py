@@ -85,7 +85,8 @@ def max_above_diagonal(fields: Tensor) -> float:
     flat = fields.reshape(fields.shape[0], -1)
     out = 0.0
     for start in range(0, fields.shape[0], step):
-        lo, hi = torch.aminmax(flat[start:start + step].index_select(1, index))
+        part = flat[start:start + step]
+        lo, hi = torch.aminmax(torch.gather(part, 1, index.unsqueeze(0).expand(part.shape[0], -1)))
         out = max(out, abs(float(lo)), abs(float(hi)))
     return out
 
@@ -337,7 +338,7 @@ def row_entropy(fields: Tensor, causal: bool, has_negative: bool | None = None,
     if has_negative is None:
         has_negative = bool((fields < 0).any())
     p = fields.clamp_min(0) if has_negative else fields
-    if work is not None:
+    if work is not None:  # (xlogy skips the zeros above a causal diagonal at little cost)
         plogp = work.view(-1)[:p.numel()].view(p.shape)
         torch.special.xlogy(p, p, out=plogp)
     else:

@@ -68,9 +68,12 @@ def _prepared(chunks: Sequence[Tensor], pieces: list[tuple[int, int, int]], cent
     """Concatenate the pieces of one block, restricted to the window width, centred and windowed."""
     width = weights.numel() if weights is not None else chunks[0].shape[1]
     parts = [chunks[c][r0:r1, :width].to(dtype) for c, r0, r1 in pieces]
-    y = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
-    if center is not None:
-        y -= center[:width].to(dtype)
+    if len(parts) == 1 and center is not None:  # centre while copying: one pass less
+        y = torch.sub(parts[0], center[:width].to(dtype))
+    else:
+        y = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
+        if center is not None:
+            y -= center[:width].to(dtype)
     if weights is not None:
         y *= weights.to(dtype)
     return y
@@ -149,16 +152,22 @@ def snapshot_pod(chunks: Sequence[Tensor], *, center: Tensor | None = None,
         :class:`PODResult`.
     """
     n_total = sum(int(c.shape[0]) for c in chunks)
-    gram = weighted_gram(chunks, center, weights, dtype)
+    width = weights.numel() if weights is not None else chunks[0].shape[1]
+    single = n_total * width * torch.empty((), dtype=dtype).element_size() <= BLOCK_BYTES
+    if single:  # one centred, windowed block serves both the Gram matrix and the modes
+        y_all = _prepared(chunks, [(c, 0, int(ch.shape[0])) for c, ch in enumerate(chunks)], center, weights, dtype)
+        gram = y_all @ y_all.T
+    else:
+        gram = weighted_gram(chunks, center, weights, dtype)
     evals, evecs = pod_from_gram(gram, n_total)
     lam1 = float(evals[0]) if evals.numel() else 0.0
     k = int(((evals > floor * lam1) & (evals > 0)).sum()) if lam1 > 0 else 0
     k = min(k, n_modes)
-    width = weights.numel() if weights is not None else chunks[0].shape[1]
     modes = torch.zeros(k, width, dtype=dtype, device=gram.device)
     if k > 0:
         v = evecs[:, :k]
-        for first, y in iter_prepared_blocks(chunks, center, weights, dtype):
+        blocks = [(0, y_all)] if single else iter_prepared_blocks(chunks, center, weights, dtype)
+        for first, y in blocks:
             modes += v[first:first + y.shape[0]].T @ y
         scale = torch.sqrt(n_total * evals[:k])
         modes /= scale.unsqueeze(1)

@@ -139,27 +139,43 @@ def test_update_cost_does_not_depend_on_snapshots_seen(monkeypatch):
     # update() touches only the new batch: count the floating-point work of the matrix
     # products it runs (not a timing) after 5 and after 50 snapshots
     import podmonitor.engine.accumulator as accmod
+    from podmonitor.engine.lags import LagShear
 
     work = []
-    real = accmod.lag_moment
+    real_moment = accmod.lag_moment
+    real_back, real_fwd = LagShear.add_backward_moment, LagShear.add_forward_moment
 
     def counting(signals, **kw):
-        work.append(signals.numel())
-        return real(signals, **kw)
+        work.append(signals.numel() * signals.shape[-1])
+        return real_moment(signals, **kw)
+
+    def counting_back(self, out):
+        work.append(self.loaded * self.seq_len ** 3)
+        return real_back(self, out)
+
+    def counting_fwd(self, out):
+        work.append(self.loaded * self.seq_len ** 3)
+        return real_fwd(self, out)
 
     monkeypatch.setattr(accmod, "lag_moment", counting)
-    acc = PODAccumulator(PODConfig())
-    batch = random_causal_fields(5, 32, seed=2)
-    acc.update(batch)  # the first update has no between-group term: compare from the second on
-    work.clear()
-    acc.update(batch)
-    second = sum(work)
-    for _ in range(9):
+    monkeypatch.setattr(LagShear, "add_backward_moment", counting_back)
+    monkeypatch.setattr(LagShear, "add_forward_moment", counting_fwd)
+    for causal in (True, False):
+        acc = PODAccumulator(PODConfig(causal=causal))
+        batch = random_causal_fields(5, 32, seed=2)
+        if not causal:
+            batch = batch + batch.transpose(1, 2)
+        acc.update(batch)  # the first update has no between-group term: compare from the second on
+        work.clear()
         acc.update(batch)
-    work.clear()
-    acc.update(batch)
-    assert acc.n == 60
-    assert sum(work) == second
+        second = sum(work)
+        assert second > 0
+        for _ in range(9):
+            acc.update(batch)
+        work.clear()
+        acc.update(batch)
+        assert acc.n == 60
+        assert sum(work) == second
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")

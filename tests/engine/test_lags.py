@@ -140,3 +140,38 @@ def test_max_above_diagonal():
     assert max_above_diagonal(a) == 0.0
     a[1, 1, 3] = -0.5
     assert max_above_diagonal(a) == 0.5
+
+
+def test_lag_shear_moments_equal_literal_second_moments():
+    # backward and forward lag moments of (fields - reference) from the sheared workspace equal
+    # the literal sums of outer products of lag signals, for any panel count and partial loads
+    from podmonitor.engine.lags import LagShear
+
+    gen = torch.Generator().manual_seed(3)
+    for seq_len, batch, loaded, n_panels in [(1, 2, 1, 8), (7, 3, 3, 1), (10, 4, 3, 3), (33, 2, 2, 8), (20, 5, 5, 64)]:
+        fields = torch.randn(loaded, seq_len, seq_len, dtype=torch.float64, generator=gen)
+        ref = torch.randn(seq_len, seq_len, dtype=torch.float64, generator=gen)
+        shear = LagShear(seq_len, batch, torch.float64, torch.device("cpu"), n_panels=n_panels)
+        shear.load(torch.randn(batch, seq_len, seq_len, dtype=torch.float64, generator=gen))  # stale data
+        shear.load(fields, ref)
+        back = torch.zeros(seq_len, seq_len, dtype=torch.float64)
+        fwd = torch.zeros(seq_len, seq_len, dtype=torch.float64)
+        shear.add_backward_moment(back)
+        shear.add_forward_moment(fwd)
+        u = (fields - ref).numpy()
+        lit_back = literal_lag_signals(u)
+        lit_fwd = literal_lag_signals(u, forward=True)
+        np.testing.assert_allclose(shear.finish(back, backward=True).numpy(),
+                                   np.einsum("sit,siu->tu", lit_back, lit_back), rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(shear.finish(fwd, backward=False).numpy(),
+                                   np.einsum("sit,siu->tu", lit_fwd, lit_fwd), rtol=1e-12, atol=1e-12)
+
+
+def test_row_entropy_with_work_buffer_matches_without():
+    a = random_causal_fields(4, 12, seed=5)
+    work = torch.full((40 * 12 * 12,), float("nan"), dtype=torch.float64)  # larger than needed, dirty
+    for causal in (True, False):
+        got, valid = row_entropy(a, causal, work=work)
+        ref, ref_valid = row_entropy(a, causal)
+        torch.testing.assert_close(got, ref, rtol=0, atol=0)
+        assert torch.equal(valid, ref_valid)

@@ -105,15 +105,18 @@ def test_scalogram_from_moment_equals_mean_of_row_transforms():
     np.testing.assert_allclose(got, expected, rtol=1e-10, atol=1e-15)
 
 
-def test_scalogram_operator_groups_do_not_change_result(monkeypatch):
+@pytest.mark.parametrize("seq_len", [2, 3, 17, 64])
+def test_scalogram_from_moment_equals_quadratic_form(seq_len):
+    # S(a, t) = diag(K_a R K_a^H)[t] / n_rows with the literal (L, L) transform matrix K_a
     import podmonitor.engine.wavelets as wv
 
-    moment = torch.randn(32, 32, dtype=torch.float64)
+    moment = torch.randn(seq_len, seq_len, dtype=torch.float64)
     moment = moment @ moment.T
     scales = torch.tensor(default_scales()[:12], dtype=torch.float64)
-    full = wv.scalogram_from_moment(moment, scales, OMEGA0, 1.0)
-    monkeypatch.setattr(wv, "OPERATOR_BYTES", 16 * 32 * 32 * 5)  # groups of 5 scales
-    torch.testing.assert_close(wv.scalogram_from_moment(moment, scales, OMEGA0, 1.0), full)
+    got = wv.scalogram_from_moment(moment, scales, OMEGA0, 3.0)
+    k = wv.cwt_operators(seq_len, scales, OMEGA0)  # (S, L, L) complex
+    expected = torch.einsum("stk,kl,stl->st", k, moment.to(k.dtype), k.conj()).real / 3.0
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12 * float(expected.abs().max()))
 
 
 def test_dominant_scales_peaks_and_top():
