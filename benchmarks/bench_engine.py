@@ -277,14 +277,22 @@ def side_engine(args: argparse.Namespace) -> None:
 
     set_threads(args.threads)
     tmp = Path(args.tmp)
-    layers = [torch.from_numpy(a) for a in _load_layers(tmp, args.layers)]  # shares memory
+    device = torch.device(args.device)
+    # on an accelerator the fields are there already (as in training): the copy is not timed
+    layers = [torch.from_numpy(a).to(device) for a in _load_layers(tmp, args.layers)]  # CPU: shares memory
     rss_base = current_rss_mib()
 
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
     results, times = [], []
+    sync()
     t_all = time.perf_counter()
     for fields in layers:
         t0 = time.perf_counter()
         report = analyze(fields, config=PODConfig())
+        sync()
         times.append(time.perf_counter() - t0)
         results.append(
             {
@@ -346,12 +354,14 @@ def side_large(args: argparse.Namespace) -> None:
             t0 = time.perf_counter()
             rng = np.random.default_rng([args.seed, 1000, b])
             chunk = synthetic_snapshots(3, 6, min(batch, n - start), L, rng, dtype=np.float32)
-            chunk_t = torch.from_numpy(chunk).to(torch.float64)
+            chunk_t = torch.from_numpy(chunk).to(device=args.device, dtype=torch.float64)
             del chunk
             gen_time += time.perf_counter() - t0
             acc.update(chunk_t)
             del chunk_t
         report = acc.compute()
+        if torch.device(args.device).type == "cuda":
+            torch.cuda.synchronize()
     else:
         need = n * L * L * 8
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -426,6 +436,7 @@ def run_child(side: str, args: argparse.Namespace, tmp: Path) -> tuple[bool, str
     ]
     if args.threads is not None:
         cmd += ["--threads", str(args.threads)]
+    cmd += ["--device", args.device]
     print(f"[bench] running {side} side ...", flush=True)
     try:
         proc = subprocess.run(
@@ -656,6 +667,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_false",
         help="skip the large engine-only section",
     )
+    ap.add_argument("--device", default="cpu",
+                    help="device of the engine side, e.g. cuda (the naive side is numpy, on the CPU)")
     ap.add_argument("--large-n", type=int, default=1000)
     ap.add_argument("--large-seq-len", type=int, default=1024)
     ap.add_argument("--batch", type=int, default=LARGE_BATCH, help="snapshots per update (large)")
@@ -692,7 +705,7 @@ def main(argv: list[str] | None = None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="podmonitor-bench-"))
     print(
         f"[bench] N = {args.n}, L = {args.seq_len}, {args.layers} layers, threads = "
-        f"{args.threads if args.threads is not None else 'default'}; tmp = {tmp}"
+        f"{args.threads if args.threads is not None else 'default'}; engine on {args.device}; tmp = {tmp}"
     )
     errors: dict[str, str] = {}
     results: dict[str, Any] = {}

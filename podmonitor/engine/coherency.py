@@ -55,7 +55,7 @@ class CoherencyAccumulator:
         op = cwt_operators(seq_len, self._scales, omega0)[0]  # (t, k) = kernel[(t - k) mod 2L]
         self._op_re_t = op.real.T.contiguous()  # (L keys, L positions)
         self._op_im_t = op.imag.T.contiguous()
-        self._ops: dict[int, Tensor] = {}
+        self._ops: dict[object, Tensor] = {}  # operators by width, diagonal indices by block
         self._band_indices: dict[tuple[int, ...], tuple[Tensor, Tensor]] = {}
         # How far right of its last key a row's transform is above REACH_TOL of the kernel's peak.
         kernel = op[:, 0].abs()  # |kernel[d]|, d = t >= 0
@@ -102,13 +102,16 @@ class CoherencyAccumulator:
         n_snap, n_rows, n_keys = rows.shape
         flat = rows.reshape(n_snap * n_rows, n_keys)
         w = flat @ self._operator(width)[:n_keys]  # (B r, 2 width): re | im
-        w3 = w.view(n_snap, n_rows * 2 * width)
-        local = torch.arange(n_rows, device=rows.device)
-        at_row = local * (2 * width) + start + local  # W_si(i), real part, within a snapshot's block
-        c = torch.stack([w3[:, at_row], w3[:, at_row + width]], dim=1)  # (B, 2, r)
-        v = torch.einsum("scq,sqk->cqk", c, rows)  # (2, r, k)
-        v_re[start:start + n_rows, :n_keys] += v[0]
-        v_im[start:start + n_rows, :n_keys] += v[1]
+        key = ("diag", start, n_rows, width)
+        at_row = self._ops.get(key)
+        if at_row is None:  # W_si(i), real then imaginary part, within a snapshot's block of rows
+            local = torch.arange(n_rows, device=rows.device)
+            at_row = torch.cat([local * (2 * width) + start + local, local * (2 * width) + width + start + local])
+            self._ops[key] = at_row
+        c = w.view(n_snap, n_rows * 2 * width)[:, at_row].view(n_snap, 2, n_rows)  # (B, 2, r)
+        v = torch.bmm(c.permute(2, 1, 0), rows.transpose(0, 1))  # (r, 2, k): sum_s c_s x_s per row
+        v_re[start:start + n_rows, :n_keys] += v[:, 0]
+        v_im[start:start + n_rows, :n_keys] += v[:, 1]
         sq = w.square_().view(n_snap, n_rows * 2 * width).sum(0).view(n_rows, 2, width)  # (sum over s first:
         self.power[start:start + n_rows, :width] += sq[:, 0] + sq[:, 1]  # a contiguous reduction)
 
