@@ -146,14 +146,7 @@ class CoherencyAccumulator:
         v_re = torch.zeros_like(self.power)
         v_im = torch.zeros_like(self.power)
         if self.seq_len > FFT_ABOVE:
-            # O(L^2 log L) per snapshot beats the O(L^3) matrix product at long lengths
-            diag = torch.arange(self.seq_len, device=x.device)
-            for s in range(x.shape[0]):
-                w = cwt(x[s], self._scales, self.omega0)[:, 0, :]  # (L rows, L positions)
-                c = w[diag, diag]  # (L,)
-                v_re += c.real.unsqueeze(1) * x[s]
-                v_im += c.imag.unsqueeze(1) * x[s]
-                self.power += w.real.square() + w.imag.square()
+            self._add_fft(x, v_re, v_im)
         else:
             step = self._batch_size()
             for start, stop, n_keys, width in self._row_blocks():
@@ -162,6 +155,17 @@ class CoherencyAccumulator:
         self._add_cross(v_re, v_im)
         self.n += x.shape[0]
 
+    def _add_fft(self, x: Tensor, v_re: Tensor, v_im: Tensor) -> None:
+        """Add (B, L, L) snapshots by FFT: O(L^2 log L) per snapshot beats the O(L^3) matrix
+        product at long lengths. ``v_re``, ``v_im`` as in :meth:`_add_block`."""
+        diag = torch.arange(self.seq_len, device=x.device)
+        for s in range(x.shape[0]):
+            w = cwt(x[s], self._scales, self.omega0)[:, 0, :]  # (L rows, L positions)
+            c = w[diag, diag]  # (L,)
+            v_re.addcmul_(c.real.unsqueeze(1), x[s])
+            v_im.addcmul_(c.imag.unsqueeze(1), x[s])
+            self.power.addcmul_(w.real, w.real).addcmul_(w.imag, w.imag)
+
     def update_band(self, band: LagBand, entries: Tensor) -> None:
         """Add snapshots stored in lag-band form, without rebuilding the dense fields.
 
@@ -169,13 +173,15 @@ class CoherencyAccumulator:
             band: the layout of ``entries``.
             entries: (B, P') band entries (a prefix P' of the band; entries beyond it are zero).
         """
+        v_re = torch.zeros_like(self.power)
+        v_im = torch.zeros_like(self.power)
         if self.seq_len > FFT_ABOVE:
             step = max(1, SUB_BYTES // (self.seq_len * self.seq_len * 8))
             for s0 in range(0, entries.shape[0], step):
-                self.update(band.to_dense(entries[s0:s0 + step].to(self.power.dtype)))
+                self._add_fft(band.to_dense(entries[s0:s0 + step].to(self.power.dtype)), v_re, v_im)
+            self._add_cross(v_re, v_im)
+            self.n += entries.shape[0]
             return
-        v_re = torch.zeros_like(self.power)
-        v_im = torch.zeros_like(self.power)
         step = self._batch_size()
         dt = self.power.dtype
         for start, stop, n_keys, width in self._row_blocks():

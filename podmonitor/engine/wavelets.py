@@ -114,16 +114,20 @@ def scalogram_from_moment(moment: Tensor, scales: Tensor, omega0: float, n_rows:
     # psihat_a(f) psihat_a(g) = 2 pi a G_a(f + g) H_a(f - g) with Gaussians G and H: the sum over
     # each diagonal d = f - g is a sum over u = f + g, i.e. for all scales at once one product
     # G (S, U) @ Q^T (U, D) with Q[d, u] = Rhat[f, g] (a rotation of Rhat), then a scaling by H.
-    q = torch.zeros((2 * m - 1) * (2 * m - 1), dtype=rhat.dtype, device=moment.device)
-    q[_rotation_index(m).to(moment.device)] = rhat.reshape(-1)
-    q = q.view(2 * m - 1, 2 * m - 1)  # (d + m - 1, u - 2)
+    rotation = _rotation_index(m).to(moment.device)
+    q_re = moment.new_zeros((2 * m - 1) * (2 * m - 1))
+    q_im = moment.new_zeros((2 * m - 1) * (2 * m - 1))
+    q_re[rotation] = rhat.real.reshape(-1)
+    q_im[rotation] = rhat.imag.reshape(-1)
+    q_re = q_re.view(2 * m - 1, 2 * m - 1)  # (d + m - 1, u - 2)
+    q_im = q_im.view(2 * m - 1, 2 * m - 1)
     a = scales.unsqueeze(1)  # (S, 1)
     u = torch.arange(2, 2 * m + 1, device=moment.device, dtype=moment.dtype)
     d = torch.arange(-(m - 1), m, device=moment.device, dtype=moment.dtype)
     g = torch.exp(-0.25 * (2.0 * math.pi * a * u / n_fft - 2.0 * omega0) ** 2)  # (S, U)
     h = 2.0 * math.pi * a * torch.exp(-0.25 * (2.0 * math.pi * a * d / n_fft) ** 2)  # (S, D)
-    diag_re = h * (g @ q.real.T)  # (S, D): sum over the diagonal d of psi psi^T * Rhat
-    diag_im = h * (g @ q.imag.T)
+    diag_re = h * (g @ q_re.T)  # (S, D): sum over the diagonal d of psi psi^T * Rhat
+    diag_im = h * (g @ q_im.T)
     at = (torch.arange(-(m - 1), m, device=moment.device) % n_fft)
     full_re = moment.new_zeros(len(scales), n_fft).index_copy_(1, at, diag_re)
     full_im = moment.new_zeros(len(scales), n_fft).index_copy_(1, at, diag_im)
