@@ -17,8 +17,9 @@ State, for a field of length L and N snapshots kept so far:
   the sketch when they would not;
 * the sum of row entropies (L,).
 
-The cost of ``update`` depends on the batch only (a lag gather, one blocked L x L moment
-product per snapshot and a copy), not on how many snapshots were seen before.
+The cost of ``update`` depends on the batch only (per field a sheared copy and the panel products
+of the lag moments, see :class:`~podmonitor.engine.lags.LagShear`, the entropies and a gather into
+the lag band), not on how many snapshots were seen before.
 """
 
 from __future__ import annotations
