@@ -469,7 +469,9 @@ class PODAccumulator:
         work = torch.empty(step, seq_len, seq_len, dtype=dt, device=dev)
         convert = None if x.dtype == dt and x.device == dev else torch.empty_like(work)
         index = self.band.flat_index.to(dev).unsqueeze(0)
-        store = None if self.sketch is not None else torch.empty(n_b, self.band.size, dtype=s_dtype, device=dev)
+        # the batch's lag-band entries: kept (exact mode) or fed to the sketch in one go (sketch mode)
+        store_dtype = s_dtype if self.sketch is None else dt
+        store = torch.empty(n_b, self.band.size, dtype=store_dtype, device=dev)
         for start in range(0, n_b, step):
             stop = min(n_b, start + step)
             part = x[start:stop]
@@ -482,16 +484,16 @@ class PODAccumulator:
             h_sum += row_entropy(part, causal, has_negative=any_negative, work=work)[0]
             flat = part.reshape(stop - start, -1)
             rows = index.expand(stop - start, -1)
-            if store is None:
-                self._sketch_band_rows(torch.gather(flat, 1, rows))
-            elif s_dtype == dt:
+            if store_dtype == dt:
                 torch.gather(flat, 1, rows, out=store[start:stop])  # (the fastest gather here)
             else:
                 store[start:stop] = torch.gather(flat, 1, rows)
         self._combine(n_b, mean_b, shear.finish(m2b_back, backward=True),
                       None if m2b_fwd is None else shear.finish(m2b_fwd, backward=False))
         self.entropy_sum += h_sum
-        if store is not None:
+        if self.sketch is not None:
+            self._sketch_band_rows(store)
+        else:
             self.chunks.append(store)
 
     def _combine(self, n_b: int, mean_b: Tensor, m2b_back: Tensor, m2b_fwd: Tensor | None) -> None:

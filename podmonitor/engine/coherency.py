@@ -51,7 +51,6 @@ class CoherencyAccumulator:
         self.omega0 = float(omega0)
         self.causal = causal
         self._scales = torch.tensor([float(scale)], dtype=dtype, device=device)
-        self._complex_dtype = torch.complex128 if dtype == torch.float64 else torch.complex64
         op = cwt_operators(seq_len, self._scales, omega0)[0]  # (t, k) = kernel[(t - k) mod 2L]
         self._op_re_t = op.real.T.contiguous()  # (L keys, L positions)
         self._op_im_t = op.imag.T.contiguous()
@@ -176,7 +175,7 @@ class CoherencyAccumulator:
         v_re = torch.zeros_like(self.power)
         v_im = torch.zeros_like(self.power)
         if self.seq_len > FFT_ABOVE:
-            step = max(1, SUB_BYTES // (self.seq_len * self.seq_len * 8))
+            step = max(1, SUB_BYTES // (self.seq_len * self.seq_len * self.power.element_size()))
             for s0 in range(0, entries.shape[0], step):
                 self._add_fft(band.to_dense(entries[s0:s0 + step].to(self.power.dtype)), v_re, v_im)
             self._add_cross(v_re, v_im)
