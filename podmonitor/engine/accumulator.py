@@ -54,6 +54,10 @@ from .wavelets import dominant_scale_indices, scale_centroid, scalogram_from_mom
 
 STATE_VERSION = 2  # version 1 (exact only) states still load
 
+#: In sketch mode, band entries are fed to the sketch (and the streamed coherency) in parts of
+#: at most this size (bytes), so that an update's temporaries stay bounded whatever the batch.
+SKETCH_FEED_BYTES = 32 * 2**20
+
 
 class MemoryBudgetError(RuntimeError):
     """An update would make the accumulator's state exceed ``PODConfig.memory_budget_bytes``."""
@@ -393,9 +397,13 @@ class PODAccumulator:
             TypeError: non-real input.
             MemoryBudgetError: the state would exceed ``config.memory_budget_bytes`` (nothing is
                 added then).
+
+        Every check runs before anything is added, so bad input leaves the accumulator as it
+        was. A failure while adding (e.g. out of memory) leaves it as it was in exact mode; in
+        sketch mode the sketch may already hold part of the batch: ``reset()`` then.
         """
         x = self._validate(fields)
-        self.input_dtypes.add(str(x.dtype).replace("torch.", ""))
+        dtype_name = str(x.dtype).replace("torch.", "")
         # A sum is finite iff every entry is (barring overflow, which the exact check catches).
         finite = torch.isfinite(x.sum(dim=(1, 2)))
         if not bool(finite.all()):
@@ -405,6 +413,7 @@ class PODAccumulator:
             x = x[finite]
         if x.shape[0] == 0:
             self.n_skipped_nonfinite += n_bad
+            self.input_dtypes.add(dtype_name)
             return 0
         seq_len = x.shape[1]
         device = self._device if self._device is not None else x.device
@@ -418,7 +427,8 @@ class PODAccumulator:
                 + (" (inferred from the first batch)" if self.config.causal is None else "")
                 + ": pass PODConfig(causal=False) for bidirectional attention"
             )
-        if self.seq_len is None:
+        first = self.seq_len is None
+        if first:
             self._init_state(seq_len, causal, device)
         assert self.band is not None and self.mean_field is not None and self.m2_back is not None
         s_dtype = self.config.resolved_storage_dtype
@@ -434,34 +444,53 @@ class PODAccumulator:
                 hint = ("; PODConfig(mode='auto') or mode='sketch' keeps a bounded sketch instead"
                         if self.config.mode == "exact" else
                         "; " + _no_sketch_message(seq_len, self.config, causal))
+                if first:
+                    self._forget_layout()
                 raise MemoryBudgetError(
                     f"storing {x.shape[0]} more snapshots (L = {seq_len}, {self.band.size} lag-band "
                     f"entries each) would bring this accumulator to {need / 2**20:.1f} MiB, over its "
                     f"budget of {budget / 2**20:.1f} MiB (PODConfig.memory_budget_bytes); "
                     f"{self.n} snapshots are kept" + hint
                 )
-        self.n_skipped_nonfinite += n_bad
         any_negative = bool(x.amin() < 0)  # one reduction; count per snapshot only when needed
-        if any_negative:
-            self.n_negative += int((x < 0).flatten(1).any(dim=1).sum())
-        self._add_batch(x, causal, any_negative)
+        n_negative = int((x < 0).flatten(1).any(dim=1).sum()) if any_negative else 0
+        try:
+            self._add_batch(x, causal, any_negative)
+        except BaseException:
+            if first and self.n == 0 and self.sketch is None:
+                self._forget_layout()
+            raise
+        self.n_skipped_nonfinite += n_bad
+        self.n_negative += n_negative
+        self.input_dtypes.add(dtype_name)
         return x.shape[0]
+
+    def _forget_layout(self) -> None:
+        """Undo ``_init_state`` after a first batch that was not added (the counters are kept)."""
+        skipped, dtypes = self.n_skipped_nonfinite, self.input_dtypes
+        self.reset()
+        self.n_skipped_nonfinite, self.input_dtypes = skipped, dtypes
 
     def _add_batch(self, x: Tensor, causal: bool, any_negative: bool) -> None:
         """Add (B, L, L) checked fields: moments about the batch mean, entropies, stored band entries.
 
         Works through the batch a few fields at a time (``SUB_BYTES`` of fields per step) in
-        buffers allocated once per call: the batch is never copied whole (not even to change its
-        dtype or device), and each step's temporaries stay in cache.
+        buffers allocated once per call: the input is converted to ``config.dtype`` and moved to
+        the state's device one step at a time, never as a whole, and each step's temporaries stay
+        in cache. The state changes only at the end (in sketch mode the sketch is fed every
+        ``SKETCH_FEED_BYTES`` of band entries on the way).
         """
         assert self.band is not None and self.entropy_sum is not None
         cfg = self.config
         dt, dev, seq_len, n_b = cfg.dtype, self.device, x.shape[1], x.shape[0]
         s_dtype = cfg.resolved_storage_dtype
+        step = max(1, min(n_b, SUB_BYTES // (torch.empty((), dtype=dt).element_size() * seq_len * seq_len)))
         # Centring about the batch's own mean makes each step's moment exact without the
         # between-group terms; one Chan et al. combination per batch merges it into the state.
-        mean_b = x.mean(0, dtype=dt).to(dev) if x.is_floating_point() else x.to(dt).mean(0).to(dev)
-        step = max(1, min(n_b, SUB_BYTES // (torch.empty((), dtype=dt).element_size() * seq_len * seq_len)))
+        mean_b = torch.zeros(seq_len, seq_len, dtype=dt, device=dev)
+        for start in range(0, n_b, step):
+            mean_b += x[start:start + step].sum(0, dtype=dt).to(dev)
+        mean_b /= n_b
         shear = LagShear(seq_len, step, dt, dev)
         m2b_back = torch.zeros(seq_len, seq_len, dtype=dt, device=dev)
         m2b_fwd = None if causal else torch.zeros(seq_len, seq_len, dtype=dt, device=dev)
@@ -469,9 +498,15 @@ class PODAccumulator:
         work = torch.empty(step, seq_len, seq_len, dtype=dt, device=dev)
         convert = None if x.dtype == dt and x.device == dev else torch.empty_like(work)
         index = self.band.flat_index.to(dev).unsqueeze(0)
-        # the batch's lag-band entries: kept (exact mode) or fed to the sketch in one go (sketch mode)
-        store_dtype = s_dtype if self.sketch is None else dt
-        store = torch.empty(n_b, self.band.size, dtype=store_dtype, device=dev)
+        # the batch's lag-band entries: kept (exact mode), or fed to the sketch a bounded part at a time
+        sketch = self.sketch is not None
+        store_dtype = dt if sketch else s_dtype
+        rows_kept = n_b
+        if sketch:
+            row_bytes = self.band.size * torch.empty((), dtype=dt).element_size()
+            rows_kept = min(n_b, max(step, SKETCH_FEED_BYTES // row_bytes))
+        store = torch.empty(rows_kept, self.band.size, dtype=store_dtype, device=dev)
+        filled = 0
         for start in range(0, n_b, step):
             stop = min(n_b, start + step)
             part = x[start:stop]
@@ -484,16 +519,21 @@ class PODAccumulator:
             h_sum += row_entropy(part, causal, has_negative=any_negative, work=work)[0]
             flat = part.reshape(stop - start, -1)
             rows = index.expand(stop - start, -1)
+            if sketch and filled + (stop - start) > rows_kept:
+                self._sketch_band_rows(store[:filled])
+                filled = 0
+            target = store[filled:filled + stop - start]
             if store_dtype == dt:
-                torch.gather(flat, 1, rows, out=store[start:stop])  # (the fastest gather here)
+                torch.gather(flat, 1, rows, out=target)  # (the fastest gather here)
             else:
-                store[start:stop] = torch.gather(flat, 1, rows)
+                target.copy_(torch.gather(flat, 1, rows))
+            filled += stop - start
+        if sketch:
+            self._sketch_band_rows(store[:filled])
         self._combine(n_b, mean_b, shear.finish(m2b_back, backward=True),
                       None if m2b_fwd is None else shear.finish(m2b_fwd, backward=False))
         self.entropy_sum += h_sum
-        if self.sketch is not None:
-            self._sketch_band_rows(store)
-        else:
+        if not sketch:
             self.chunks.append(store)
 
     def _combine(self, n_b: int, mean_b: Tensor, m2b_back: Tensor, m2b_fwd: Tensor | None) -> None:

@@ -73,21 +73,25 @@ SUB_BYTES = 4 * 2**20
 
 
 def max_above_diagonal(fields: Tensor) -> float:
-    """Largest magnitude above the diagonal of (B, L, L) fields (0.0 for a causal field).
+    """Largest magnitude above the diagonal of (B, L, L) fields (0.0 for a causal field; NaN if a
+    NaN lies above the diagonal).
 
-    Works through the batch a few fields at a time, so that its temporaries stay small.
+    Works through the batch a few fields at a time, so that its temporaries stay small (also for
+    non-contiguous fields).
     """
     seq_len = fields.shape[-1]
     if seq_len < 2 or fields.shape[0] == 0:
         return 0.0
     index = _upper_index(seq_len).to(fields.device)
     step = max(1, SUB_BYTES // (index.numel() * fields.element_size()))
-    flat = fields.reshape(fields.shape[0], -1)
     out = 0.0
     for start in range(0, fields.shape[0], step):
-        part = flat[start:start + step]
+        part = fields[start:start + step].reshape(-1, seq_len * seq_len)
         lo, hi = torch.aminmax(torch.gather(part, 1, index.unsqueeze(0).expand(part.shape[0], -1)))
-        out = max(out, abs(float(lo)), abs(float(hi)))
+        lo_f, hi_f = float(lo), float(hi)
+        if math.isnan(lo_f) or math.isnan(hi_f):
+            return math.nan
+        out = max(out, abs(lo_f), abs(hi_f))
     return out
 
 

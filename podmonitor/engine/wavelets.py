@@ -71,7 +71,7 @@ def cwt_operators(seq_len: int, scales: Tensor, omega0: float) -> Tensor:
     return kernel[:, index]
 
 
-@lru_cache(maxsize=8)
+@lru_cache(maxsize=2)
 def _rotation_index(m: int) -> Tensor:
     """(M * M,) flat index of entry (f, g) of an (M, M) matrix in the (2M - 1, 2M - 1) array
     indexed by (d + M - 1, u - 2), d = f - g, u = f + g (f, g counted from 1)."""
@@ -88,8 +88,8 @@ def scalogram_from_moment(moment: Tensor, scales: Tensor, omega0: float, n_rows:
     ``Rhat = F R F^H`` (two FFTs of R, once), and for each scale the double sum is a sum over the
     diagonals ``d = f - g`` of ``psi psi^T * Rhat`` followed by one inverse FFT. The Morlet
     product factorises, ``psi_f psi_g = 2 pi a G_a(f + g) H_a(f - g)``, so the diagonal sums of
-    all scales are one (S, 2L) x (2L, 2L) product with a rotated Rhat: O(L^2) per scale instead
-    of the O(L^3) of ``diag(K_a R K_a^H)``.
+    all scales are one (S, 2M - 1) x (2M - 1, 2M - 1) product with a rotated Rhat (M = L - 1
+    positive frequencies): O(L^2) per scale instead of the O(L^3) of ``diag(K_a R K_a^H)``.
 
     Args:
         moment: (L, L) symmetric ``R = sum over signals of d d^T``.

@@ -184,3 +184,97 @@ def test_cuda_matches_cpu(fields, reference):
     acc.update(fields.cuda())
     report = acc.compute()
     assert_reports_equal(report, reference, rtol=1e-7)
+
+
+def _state_snapshot(acc):
+    return {
+        "n": acc.n, "skipped": acc.n_skipped_nonfinite, "negative": acc.n_negative,
+        "dtypes": set(acc.input_dtypes), "seq_len": acc.seq_len, "chunks": len(acc.chunks),
+        "mean": None if acc.mean_field is None else acc.mean_field.clone(),
+        "m2": None if acc.m2_back is None else acc.m2_back.clone(),
+        "entropy": None if acc.entropy_sum is None else acc.entropy_sum.clone(),
+    }
+
+
+def test_failure_while_adding_leaves_the_accumulator_as_it_was(monkeypatch):
+    import podmonitor.engine.accumulator as accmod
+
+    def failing(*args, **kwargs):
+        raise MemoryError("simulated")
+
+    fields = random_causal_fields(6, 16, seed=30)
+    bad = fields.clone()
+    bad[0, 3, 1] = float("nan")  # skipped and counted, but only if the batch is added
+    bad[1, 4, 2] = -0.1  # negative, counted only if added
+
+    # first batch: the accumulator goes back to empty
+    acc = PODAccumulator(PODConfig())
+    with monkeypatch.context() as m:
+        m.setattr(accmod, "row_entropy", failing)
+        with pytest.raises(MemoryError):
+            acc.update(bad)
+    assert acc.seq_len is None and acc.n == 0 and acc.n_skipped_nonfinite == 0 and acc.n_negative == 0
+    # a later batch: nothing of it is added
+    acc.update(fields)
+    before = _state_snapshot(acc)
+    with monkeypatch.context() as m:
+        m.setattr(accmod, "row_entropy", failing)
+        with pytest.raises(MemoryError):
+            acc.update(bad)
+    after = _state_snapshot(acc)
+    for key, value in before.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(value, after[key]), key
+        else:
+            assert value == after[key], key
+    # and the accumulator still works, equal to one fed the same good batches
+    acc.update(bad)
+    ref = PODAccumulator(PODConfig())
+    ref.update(fields)
+    ref.update(bad)
+    assert acc.n == ref.n == 11 and acc.n_skipped_nonfinite == 1 and acc.n_negative == 1
+    torch.testing.assert_close(acc.m2_back, ref.m2_back, rtol=0, atol=0)
+
+
+def test_non_contiguous_and_converted_input_give_the_same_state():
+    fields = random_causal_fields(5, 20, seed=31)
+    ref = PODAccumulator(PODConfig())
+    ref.update(fields)
+    strided = torch.zeros(5, 20, 40, dtype=torch.float64)
+    strided[:, :, ::2] = fields  # a non-contiguous view with the same values
+    acc = PODAccumulator(PODConfig())
+    acc.update(strided[:, :, ::2])
+    torch.testing.assert_close(acc.m2_back, ref.m2_back, rtol=1e-13, atol=1e-15)
+    torch.testing.assert_close(acc.chunks[0], ref.chunks[0], rtol=0, atol=0)
+    as_f32 = PODAccumulator(PODConfig())
+    as_f32.update(fields.float())  # converted step by step
+    lit = PODAccumulator(PODConfig())
+    lit.update(fields.float().double())
+    torch.testing.assert_close(as_f32.m2_back, lit.m2_back, rtol=1e-13, atol=1e-15)
+    torch.testing.assert_close(as_f32.mean_field, lit.mean_field, rtol=1e-15, atol=1e-17)
+
+
+def test_sketch_is_fed_in_bounded_parts(monkeypatch):
+    import podmonitor.engine.accumulator as accmod
+
+    cfg = PODConfig(n_dominant=1, mode="sketch", sketch_rank=8, coherency=False)
+    fields = random_causal_fields(40, 16, seed=32)
+    acc = PODAccumulator(cfg)
+    sizes = []
+    real = PODAccumulator._sketch_band_rows
+
+    def recording(self, rows):
+        sizes.append(rows.shape[0])
+        return real(self, rows)
+
+    monkeypatch.setattr(PODAccumulator, "_sketch_band_rows", recording)
+    row_bytes = 136 * 8  # 16 * 17 / 2 band entries of float64
+    monkeypatch.setattr(accmod, "SKETCH_FEED_BYTES", 7 * row_bytes)
+    monkeypatch.setattr(accmod, "SUB_BYTES", 3 * 16 * 16 * 8)  # steps of 3 fields
+    acc.update(fields)
+    assert sum(sizes) == 40 and max(sizes) <= 7 and acc.sketch.n == 40
+    whole = PODAccumulator(cfg)
+    monkeypatch.setattr(accmod, "SKETCH_FEED_BYTES", 2**30)
+    whole.update(fields)  # the mean, moments and entropies do not depend on the parts
+    torch.testing.assert_close(acc.m2_back, whole.m2_back, rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(acc.entropy_sum, whole.entropy_sum, rtol=1e-13, atol=0)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -175,3 +177,15 @@ def test_row_entropy_with_work_buffer_matches_without():
         ref, ref_valid = row_entropy(a, causal)
         torch.testing.assert_close(got, ref, rtol=0, atol=0)
         assert torch.equal(valid, ref_valid)
+
+
+def test_max_above_diagonal_propagates_nan_and_reads_strided_fields():
+    from podmonitor.engine.lags import max_above_diagonal
+
+    a = torch.zeros(3, 6, 6, dtype=torch.float64)
+    a[2, 0, 4] = 0.25
+    a[0, 1, 3] = float("nan")
+    assert math.isnan(max_above_diagonal(a))  # a NaN must not hide mass above the diagonal
+    b = torch.zeros(3, 6, 12, dtype=torch.float64)
+    b[2, 0, 8] = -0.75  # column 4 of the strided view
+    assert max_above_diagonal(b[:, :, ::2]) == 0.75
