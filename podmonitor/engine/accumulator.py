@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .coherency import CoherencyAccumulator
+from .coherency import FFT_ABOVE, CoherencyAccumulator
 from .config import PODConfig
 from .lags import (
     SUB_BYTES,
@@ -161,9 +161,12 @@ def estimate_memory(seq_len: int, n_snapshots: int, config: PODConfig | None = N
     if rank == 0:
         block = min(n_snapshots * p * itemsize, BLOCK_BYTES)
         gram = 2 * n_snapshots * n_snapshots * itemsize  # Gram + eigenvectors
-        # coherency: its three sums, the cross vectors and products, the transform operator (about
-        # 10 L^2 values, measured 6.5 to 9.5 L^2 at L = 256 to 2048) and one step of transforms
-        coh = 10 * seq_len * seq_len * itemsize + 3 * SUB_BYTES if config.coherency else 0
+        # coherency: its three sums, the cross vectors and their products, the transform operator
+        # and one step of transforms (about 10 L^2 values; above FFT_ABOVE the per-snapshot FFTs
+        # of (L, 2L) complex rows take more, about 18 L^2); benchmarks/bench_engine_parts.py
+        # --coherency-memory measures it
+        per_l2 = 10 if seq_len <= FFT_ABOVE else 18
+        coh = per_l2 * seq_len * seq_len * itemsize + 3 * SUB_BYTES if config.coherency else 0
         extra = 2 * block + gram + modes + coh
         return {"state": int(exact_state), "compute_extra": int(extra), "total": int(exact_state + extra),
                 "sketch_rank": 0}

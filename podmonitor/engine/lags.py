@@ -95,11 +95,16 @@ def max_above_diagonal(fields: Tensor) -> float:
     return out
 
 
+def _panel_edges(seq_len: int, n_panels: int) -> list[int]:
+    """Lag edges of the column panels: panel p holds the lags in [edges[p], edges[p + 1])."""
+    return [p * seq_len // n_panels for p in range(n_panels + 1)]
+
+
 @lru_cache(maxsize=16)
 def _panel_mask(seq_len: int, n_panels: int) -> Tensor:
     """(L, L) bool, True where the panel of the row lag is at most the panel of the column lag."""
-    edges = torch.tensor([p * seq_len // n_panels for p in range(1, n_panels)])
-    panel = torch.bucketize(torch.arange(seq_len), edges, right=True)  # panel p: lags in [edge_p, edge_p+1)
+    inner = torch.tensor(_panel_edges(seq_len, n_panels)[1:-1])
+    panel = torch.bucketize(torch.arange(seq_len), inner, right=True)
     return panel.unsqueeze(1) <= panel.unsqueeze(0)
 
 
@@ -114,7 +119,7 @@ class LagShear:
 
     Moments use the triangular support of lag signals (row ``i`` has backward lags ``<= i``) in
     column panels: panel ``[c0, c1)`` of lags only meets rows ``i >= c0`` and lags ``< c1``, so
-    about L^3 / 6 multiply-adds per field instead of L^3 for ``D^T D`` (the upper block triangle
+    about L^3 / 6 multiply-adds per field instead of L^3 for ``D^T D`` (the lower block triangle
     is computed and mirrored; each panel is one (panel x lags) product, the fast orientation).
 
     Args:
@@ -152,8 +157,7 @@ class LagShear:
         return block.reshape(-1, block.shape[-1])
 
     def _bounds(self) -> list[tuple[int, int]]:
-        seq_len, n = self.seq_len, self.n_panels
-        edges = [p * seq_len // n for p in range(n + 1)]
+        edges = _panel_edges(self.seq_len, self.n_panels)
         return [(a, b) for a, b in zip(edges, edges[1:], strict=False) if b > a]
 
     def add_backward_moment(self, out: Tensor) -> None:

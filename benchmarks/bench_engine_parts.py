@@ -1,0 +1,172 @@
+"""Where the engine's time goes at the paper's size, and how fast this machine multiplies matrices.
+
+Usage::
+
+    python benchmarks/bench_engine_parts.py --threads 2
+    python benchmarks/bench_engine_parts.py --threads 2 --coherency-memory
+    # an older engine, side by side: check the commit out elsewhere, then point --root at it
+    git worktree add /tmp/podmonitor-old 2a9b44d
+    python benchmarks/bench_engine_parts.py --threads 2 --root /tmp/podmonitor-old
+
+It prints:
+
+1. the float64 matrix-product rate of this machine (one thread and ``--threads``): the ceiling
+   of the engine's two heaviest parts, the lag moments and the cross-coherency transform;
+2. the floating-point work of the cross-coherency transform at this size (N L rows, each
+   against the (L, 2L) real and imaginary transform of its causal keys, in row blocks of L / 8);
+3. per layer, the time of ``update`` and of ``compute`` with the default configuration, and of
+   ``compute`` without the coherency map (best of ``--repeats``); the difference is the
+   coherency's share;
+4. the time of ``analyze`` on all layers, best of ``--repeats`` runs in one process (warm);
+5. with ``--coherency-memory``: the peak-RSS growth of computing the coherency map at
+   L = 256 to 2048, three fresh processes each, in units of L^2 values (``estimate_memory`` counts
+   10 L^2 values plus 12 MiB; the growth varies with the allocator's reuse of freed memory).
+
+The ensemble is ``podmonitor.synthetic.layered_ensemble`` (the one ``bench_engine.py`` uses).
+Timings on shared machines drift; compare numbers from one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def matmul_rate(threads: int) -> float:
+    """GFlop/s of a (2048, 512) x (512, 2048) float64 product, best of 5."""
+    import torch
+
+    torch.set_num_threads(threads)
+    a = torch.rand(2048, 512, dtype=torch.float64)
+    b = torch.rand(512, 2048, dtype=torch.float64)
+    a @ b
+    best = math.inf
+    for _ in range(5):
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    return 2 * 2048 * 512 * 2048 / best / 1e9
+
+
+def coherency_gflop(n: int, seq_len: int) -> float:
+    """Multiply-adds x 2 of the causal coherency transform: rows of block [start, stop) use stop keys."""
+    block = max(1, math.ceil(seq_len / 8))
+    work = 0
+    for start in range(0, seq_len, block):
+        stop = min(seq_len, start + block)
+        work += (stop - start) * stop * 2 * seq_len * 2
+    return n * work / 1e9
+
+
+def best_of(repeats: int, fn) -> float:
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident set (VmHWM: unlike ru_maxrss it is not inherited across exec)."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return float(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def coherency_memory(seq_len: int) -> None:
+    """Child: peak-RSS growth of one coherency map at length L, printed in units of L^2 float64."""
+    import torch
+
+    from podmonitor import PODAccumulator, PODConfig
+
+    torch.set_num_threads(2)
+    acc = PODAccumulator(PODConfig(coherency=False))
+    logits = torch.randn(4, seq_len, seq_len, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    causal = torch.ones(seq_len, seq_len, dtype=torch.bool).tril()
+    acc.update(torch.softmax(logits.masked_fill(~causal, -torch.inf), dim=-1))  # 4 causal fields
+    del logits
+    before = peak_rss_mib()
+    acc._coherency(8.0)  # the map the report would carry, at a fixed scale
+    grown = peak_rss_mib() - before
+    unit = seq_len * seq_len * 8 / 2**20
+    print(f"  L = {seq_len:5d}: peak RSS grew {grown:7.1f} MiB = {grown / unit:4.1f} L^2 values")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--n", type=int, default=150)
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--root", type=Path, default=REPO, help="the podmonitor tree to time (default: this one)")
+    ap.add_argument("--coherency-memory", action="store_true")
+    ap.add_argument("--child-memory", type=int, default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    sys.path.insert(0, str(args.root.resolve()))
+
+    if args.child_memory is not None:
+        coherency_memory(args.child_memory)
+        return 0
+
+    import numpy as np
+    import torch
+
+    import podmonitor
+    from podmonitor import PODAccumulator, PODConfig, analyze
+    from podmonitor.synthetic import layered_ensemble
+
+    print(f"podmonitor from {Path(podmonitor.__file__).parent}")
+    print(f"float64 matrix product: {matmul_rate(1):.1f} GFlop/s on 1 thread, "
+          f"{matmul_rate(args.threads):.1f} GFlop/s on {args.threads}")
+    torch.set_num_threads(args.threads)
+    gflop = coherency_gflop(args.n, args.seq_len)
+    print(f"cross-coherency transform at N = {args.n}, L = {args.seq_len}: {gflop:.2f} GFlop per layer")
+
+    layers = [torch.from_numpy(np.ascontiguousarray(t.numpy(), dtype=np.float64))
+              for t in layered_ensemble(args.layers, args.n, args.seq_len, seed=0)]
+    analyze(layers[0][:8, :32, :32].contiguous())  # start-up
+    print(f"\nper layer, best of {args.repeats} (s)")
+    print(f"{'layer':>5} {'update':>8} {'compute':>8} {'compute w/o coherency':>22} {'coherency':>10}")
+    for k, fields in enumerate(layers):
+        timing = {}
+        for label, config in (("full", PODConfig()), ("plain", PODConfig(coherency=False))):
+            acc = PODAccumulator(config)
+
+            def feed(acc=acc, fields=fields):
+                acc.reset()
+                acc.update(fields)
+
+            timing[f"{label}_update"] = best_of(args.repeats, feed)
+            timing[f"{label}_compute"] = best_of(args.repeats, acc.compute)
+        print(f"{k:>5} {timing['full_update']:>8.3f} {timing['full_compute']:>8.3f} "
+              f"{timing['plain_compute']:>22.3f} {timing['full_compute'] - timing['plain_compute']:>10.3f}")
+
+    total = best_of(args.repeats, lambda: [analyze(f) for f in layers])
+    print(f"\nanalyze on all {args.layers} layers, best of {args.repeats} in one process: {total:.3f} s")
+
+    if args.coherency_memory:
+        print("\ncoherency map, peak-RSS growth (three fresh processes each):")
+        for seq_len in (256, 512, 1024, 2048):
+            for _ in range(3):
+                subprocess.run([sys.executable, __file__, "--root", str(args.root), "--child-memory", str(seq_len)],
+                               check=True, env={**os.environ, "PYTHONPATH": str(args.root.resolve())})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
