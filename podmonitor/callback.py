@@ -3,49 +3,64 @@
 Data flows one way: capture (``podmonitor.capture``) -> accumulate (``podmonitor.engine``) ->
 analyse (``PODAccumulator.compute``) -> report (``podmonitor.reporting``). This module only
 orchestrates them inside Lightning's validation loop.
+
+Distributed runs: every collective is in :mod:`podmonitor.distributed` and is called on every
+rank from hooks Lightning runs on every rank, decided by state that is the same on every rank
+(docs/reliability.md). Rank zero alone analyses and writes, with no collective in that path.
 """
 
 from __future__ import annotations
 
 import math
-import os
 import time
+import uuid
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch import LightningModule, Trainer
 
+from .callback_base import MonitorCallback
 from .capture import CaptureAdapter, CapturedAttention, select_adapter
+from .distributed import all_gather_ints, all_gather_object, global_rank, is_distributed, share_quota, world_size
 from .engine import MemoryBudgetError, PODAccumulator, PODConfig, PODReport
 from .pruning.advisor import AdviceSettings, HeadAllocationAdvice, advise_from_reports
 from .pruning.readiness import AdviceReadiness
 from .pruning.redundancy import HeadRedundancy, HeadRedundancyAccumulator
 
 STATE_VERSION = 1
+# the state of version 1 without a run id still loads (run_id then unknown)
 
 
 class PODMonitorWarning(UserWarning):
     """A problem inside the monitor that did not stop training."""
 
 
-class PODMonitor(Callback):
+class PODMonitor(MonitorCallback):
     """Watch the attention of a transformer while it trains, by scale-selective POD.
 
     During validation runs (never during training steps) it captures the post-softmax attention
-    probabilities of every attention layer on the first validation batches until it holds
-    ``n_snapshots`` sequences (over all processes), feeds them to one incremental
+    probabilities of every attention layer on the first batches of the first validation loader
+    until it holds ``n_snapshots`` sequences (over all processes), feeds them to one incremental
     :class:`~podmonitor.PODAccumulator` per layer as they arrive, and at the end of the run
     computes and logs, per layer, T_spec, beta, R^2, H*(eps), dominant scales, the scale
     centroid, mean attention distance, entropy and pictures (scalograms, the layers x scales
     heatmap, spectra, mode lag profiles, coherency) to every logger of the Trainer
     (TensorBoard, Weights & Biases; PNG files next to the run otherwise). The full report of
-    every monitored run is appended to ``podmonitor.jsonl`` in the run directory.
+    every monitored run is appended to ``podmonitor.jsonl`` in the run directory, with the stage
+    ("fit" or "validate") and the monitor's ``run_id``; a resumed run writes a marker first.
 
-    It never stops training: an error inside the monitor becomes one warning and the run goes
-    on (``strict=True`` re-raises instead).
+    It never stops or stalls training: an error inside the monitor becomes one warning and the
+    run goes on (``strict=True`` re-raises instead); an output that fails (a read-only folder, a
+    logger that went away) costs that output only.
+
+    In DDP the snapshot quota is shared by the processes: after each captured batch the ranks
+    exchange how many usable sequences they hold and take them round-robin until ``n_snapshots``
+    are taken in all (one small collective per captured batch). When the ranks' validation loaders
+    differ in length (no ``DistributedSampler``) each rank takes ``ceil(n_snapshots / world)``
+    instead, with no per-batch collective. After ``strategy="ddp_spawn"`` the main process's
+    ``history`` is rank zero's (handed over at the end of fitting).
 
     Args:
         n_snapshots: N, sequences to analyse per monitored validation run (all processes).
@@ -53,8 +68,8 @@ class PODMonitor(Callback):
             sanity-check run is never monitored.
         config: engine settings (:class:`~podmonitor.PODConfig`).
         capture: how to get attention: "auto" (the model's own ``attention_maps`` protocol,
-            then Hugging Face, then ``torch.nn.MultiheadAttention``), an adapter name, a
-            :class:`~podmonitor.capture.CaptureAdapter`, or a function
+            then the other adapters, see :func:`~podmonitor.capture.select_adapter`), an adapter
+            name, a :class:`~podmonitor.capture.CaptureAdapter`, or a function
             ``fn(pl_module, batch) -> list[Tensor (B, H, T, T)]``.
         per_head: also analyse each head's field (H times the work and memory), and with it the
             redundancy of the heads of each layer, the head allocation advice (heads per layer
@@ -72,6 +87,8 @@ class PODMonitor(Callback):
             ``<trainer.log_dir or default_root_dir>/podmonitor``.
         prefix: name prefix of the logged scalars.
         strict: re-raise errors inside the monitor instead of warning.
+        dataloader_idx: the validation loader to monitor (default 0, the first); batches of the
+            other loaders are ignored, with one message saying so.
 
     Raises:
         ValueError: invalid arguments.
@@ -82,6 +99,8 @@ class PODMonitor(Callback):
         >>> from podmonitor import PODMonitor
         >>> trainer = Trainer(callbacks=[PODMonitor()], logger=TensorBoardLogger("logs"))
     """
+
+    warning_class = PODMonitorWarning
 
     def __init__(
         self,
@@ -97,6 +116,7 @@ class PODMonitor(Callback):
         strict: bool = False,
         advice: AdviceSettings | None = None,
         readiness: AdviceReadiness | None = None,
+        dataloader_idx: int = 0,
     ) -> None:
         if not isinstance(n_snapshots, int) or n_snapshots < 3:
             raise ValueError(f"n_snapshots must be an int >= 3, got {n_snapshots!r}")
@@ -104,6 +124,8 @@ class PODMonitor(Callback):
             raise ValueError(f"every_n_validations must be an int >= 1, got {every_n_validations!r}")
         if not isinstance(images_every_n, int) or images_every_n < 1:
             raise ValueError(f"images_every_n must be an int >= 1, got {images_every_n!r}")
+        if not isinstance(dataloader_idx, int) or isinstance(dataloader_idx, bool) or dataloader_idx < 0:
+            raise ValueError(f"dataloader_idx must be an int >= 0, got {dataloader_idx!r}")
         if config is not None and not isinstance(config, PODConfig):
             raise ValueError(f"config must be a PODConfig, got {type(config).__name__}")
         if not (isinstance(capture, (str, CaptureAdapter)) or callable(capture)):
@@ -127,8 +149,10 @@ class PODMonitor(Callback):
         self.output_dir = output_dir
         self.prefix = prefix
         self.strict = strict
+        self.dataloader_idx = dataloader_idx
 
-        self.history: list[dict[str, Any]] = []  # one summary per monitored validation run
+        self._init_shell()  # history (one summary per monitored validation run), run dir
+        self.run_id = uuid.uuid4().hex[:12]  # the same on every rank (the object is copied to them)
         self.validation_count = 0
         self.monitored_count = 0
         self.last_reports: dict[str, PODReport] = {}
@@ -139,6 +163,9 @@ class PODMonitor(Callback):
         self._adapter: CaptureAdapter | None = None
         self._adapter_error: str | None = None
         self._publisher: Any = None
+        self._resumed_from: dict[str, Any] | None = None  # set by load_state_dict (a checkpoint)
+        self._notes_once: set[str] = set()
+        self._stage = "fit"
         self._reset_run()
 
     # ----------------------------------------------------------- bookkeeping
@@ -147,8 +174,13 @@ class PODMonitor(Callback):
         return self._generate_state_key(n_snapshots=self.n_snapshots, prefix=self.prefix)
 
     def _reset_run(self) -> None:
-        self._monitoring = False
+        self._monitored_run = False  # this validation run is monitored: the same on every rank
+        self._monitoring = False  # this rank still captures (False after an error on this rank)
         self._capturing = False
+        self._quota_shared = False  # the ranks share the quota batch by batch (same on every rank)
+        self._quota_open = False  # more snapshots wanted (same on every rank when shared)
+        self._shared_batches = 0  # batches over which the quota is shared (same on every rank)
+        self._taken_all = 0  # snapshots taken by all ranks so far (shared quota only)
         self._accumulators: dict[str, PODAccumulator] = {}
         self._redundancy: dict[str, HeadRedundancyAccumulator] = {}
         self._active: dict[str, list[bool]] | None = None
@@ -162,14 +194,20 @@ class PODMonitor(Callback):
         self._accumulate_seconds = 0.0
 
     def _handle(self, where: str, err: BaseException) -> None:
-        """One clear warning (or a re-raise when strict); the monitor stops for this run."""
+        """One clear warning (or a re-raise when strict); this rank stops capturing for this run
+        (it still takes part in the run's collectives)."""
         msg = f"PODMonitor: {where} failed ({type(err).__name__}: {err}); monitoring skipped for this validation run"
         self._run_errors.append(msg)
         self._monitoring = False
         self._stop_capture()
-        if self.strict:
-            raise err
-        warnings.warn(msg, PODMonitorWarning, stacklevel=2)
+        self._warn_or_raise(msg, err)
+
+    def _note_once(self, key: str, msg: str) -> None:
+        """A warning given once per monitor (not at every validation run)."""
+        if key in self._notes_once:
+            return
+        self._notes_once.add(key)
+        warnings.warn(msg, PODMonitorWarning, stacklevel=3)
 
     def _stop_capture(self) -> None:
         if self._adapter is not None and self._capturing:
@@ -180,21 +218,16 @@ class PODMonitor(Callback):
         self._capturing = False
 
     def _world(self, trainer: Trainer) -> tuple[int, int]:
-        return int(getattr(trainer, "world_size", 1) or 1), int(getattr(trainer, "global_rank", 0) or 0)
+        return world_size(trainer), global_rank(trainer)
 
     def _per_rank_target(self, trainer: Trainer) -> int:
-        world, _ = self._world(trainer)
-        return math.ceil(self.n_snapshots / world)
-
-    def run_dir(self, trainer: Trainer) -> str:
-        """Directory of the JSON-lines report and the PNG pictures."""
-        if self.output_dir is not None:
-            return self.output_dir
-        base = trainer.log_dir or trainer.default_root_dir
-        return os.path.join(base, "podmonitor")
+        """Snapshots this rank may take when the ranks do not share the quota: ``ceil(N / world)``."""
+        return math.ceil(self.n_snapshots / world_size(trainer))
 
     # ----------------------------------------------------------------- hooks
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._setup_run_dir(trainer)  # a collective (trainer.log_dir): here, on every rank
+        self._stage = str(stage)
         try:
             self._adapter = select_adapter(pl_module, self.capture)
             self._adapter_error = None
@@ -206,16 +239,57 @@ class PODMonitor(Callback):
             warnings.warn(f"PODMonitor: no way to capture attention from this model, monitor inactive: {err}",
                           PODMonitorWarning, stacklevel=2)
 
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # after the checkpoint restored the loops: the step training resumes from is known
+        if self._resumed_from is None or global_rank(trainer) != 0:
+            return
+        try:
+            marker = self._get_publisher().mark_resume(step=int(trainer.global_step),
+                                                       previous_run_id=self._resumed_from.get("run_id"))
+            if marker["superseded_steps"]:
+                warnings.warn(
+                    f"PODMonitor: resumed at step {marker['step']}; {self.run_dir()}/podmonitor.jsonl already holds "
+                    f"records of steps {marker['superseded_steps']} from the resumed run; they are measured again "
+                    "(the new records say 'repeats', a 'resume' marker stands before them)",
+                    PODMonitorWarning, stacklevel=2)
+        except Exception as err:  # noqa: BLE001
+            self._warn_or_raise(f"PODMonitor: writing the resume marker failed: {err}", err)
+        self._resumed_from = None
+
     def on_validation_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._reset_run()
         if trainer.sanity_checking or self._adapter is None:
             return
         self.validation_count += 1
-        self._monitoring = (self.validation_count - 1) % self.every_n_validations == 0
+        self._monitored_run = (self.validation_count - 1) % self.every_n_validations == 0
+        self._monitoring = self._monitored_run
+        if not self._monitored_run:
+            return
+        n_loaders = len(trainer.num_val_batches)
+        if self.dataloader_idx >= n_loaders:
+            self._monitoring = False
+            self._note_once("loader-missing", f"PODMonitor: dataloader_idx={self.dataloader_idx} but the run has "
+                            f"{n_loaders} validation loader(s); nothing is monitored")
+        elif n_loaders > 1:
+            self._note_once("loaders", f"PODMonitor: monitoring validation loader {self.dataloader_idx} of "
+                            f"{n_loaders}; the others are ignored (choose one with PODMonitor(dataloader_idx=...))")
+        self._quota_open = self._monitoring
+        if is_distributed(trainer):
+            # share the quota batch by batch only if every rank runs the same number of batches
+            n = trainer.num_val_batches[self.dataloader_idx] if self.dataloader_idx < n_loaders else 0
+            n = int(n) if math.isfinite(n) else -1
+            counts = [c[0] for c in all_gather_ints(trainer, [n], device=pl_module.device)]
+            self._quota_shared = min(counts) > 0 and len(set(counts)) == 1
+            self._shared_batches = counts[0] if self._quota_shared else 0
+            if not self._quota_shared:
+                self._note_once("uneven", "PODMonitor: the processes' validation loaders differ in length "
+                                f"({counts} batches); each process takes its fixed share of n_snapshots")
 
     def on_validation_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any,
                                   batch_idx: int, dataloader_idx: int = 0) -> None:
-        if not self._monitoring or self._budget_hit or self._taken >= self._per_rank_target(trainer):
+        if not self._monitoring or not self._quota_open or dataloader_idx != self.dataloader_idx or self._budget_hit:
+            return
+        if not self._quota_shared and self._taken >= self._per_rank_target(trainer):
             return
         assert self._adapter is not None
         try:
@@ -226,32 +300,55 @@ class PODMonitor(Callback):
 
     def on_validation_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                                 batch_idx: int, dataloader_idx: int = 0) -> None:
-        if not self._capturing:
+        if dataloader_idx != self.dataloader_idx:
             return
+        captured = self._collect(pl_module, batch, outputs) if self._capturing else None
+        t1 = time.perf_counter()
+        index = None
+        if captured is not None:
+            try:
+                index = self._usable(pl_module, captured)
+            except Exception as err:  # noqa: BLE001
+                self._handle("accumulating attention fields", err)
+        if self._quota_shared and self._quota_open and batch_idx < self._shared_batches:
+            # every rank gets here with the same state: one collective per batch while the quota is open
+            usable = 0 if index is None else int(index.numel())
+            counts = [c[0] for c in all_gather_ints(trainer, [usable], device=pl_module.device)]
+            share = share_quota(counts, self.n_snapshots - self._taken_all)
+            self._taken_all += sum(share)
+            self._quota_open = self._taken_all < self.n_snapshots and batch_idx + 1 < self._shared_batches
+            if index is not None:
+                index = index[: share[global_rank(trainer)]]
+        elif index is not None:
+            index = index[: max(0, self._per_rank_target(trainer) - self._taken)]
+        if index is not None and captured is not None and index.numel() > 0:
+            try:
+                self._add(captured, index)
+            except Exception as err:  # noqa: BLE001
+                self._handle("accumulating attention fields", err)
+        self._accumulate_seconds += time.perf_counter() - t1
+
+    def _collect(self, pl_module: LightningModule, batch: Any, outputs: Any) -> CapturedAttention | None:
+        """The batch's attention from the adapter (None after a failure, which is warned)."""
         assert self._adapter is not None
         t0 = time.perf_counter()
         try:
-            captured = self._adapter.collect(pl_module, batch, outputs)
+            return self._adapter.collect(pl_module, batch, outputs)
         except Exception as err:  # noqa: BLE001
             self._handle("capturing attention", err)
-            return
+            return None
         finally:
             self._stop_capture()
-        t1 = time.perf_counter()
-        self._capture_seconds += t1 - t0
-        try:
-            if self._layer_names == [] and self._active is None:  # first batch of the run
-                self._active = _active_heads(pl_module, list(captured.layer_names))
-            self._accumulate(captured, self._per_rank_target(trainer))
-        except Exception as err:  # noqa: BLE001
-            self._handle("accumulating attention fields", err)
-        self._accumulate_seconds += time.perf_counter() - t1
+            self._capture_seconds += time.perf_counter() - t0
 
-    def _accumulate(self, captured: CapturedAttention, target: int) -> None:
-        """Head-average, drop padded or mismatched sequences, feed the accumulators."""
+    def _usable(self, pl_module: LightningModule, captured: CapturedAttention) -> torch.Tensor:
+        """Set up the accumulators on the first batch; the indices (b,) of the batch's usable
+        sequences: without padding and of the run's sequence length (the others are counted)."""
         if not captured.fields:
             raise ValueError("the capture returned no attention layers")
         if not self._layer_names:
+            if self._active is None:
+                self._active = _active_heads(pl_module, list(captured.layer_names))
             self._layer_names = list(captured.layer_names)
             config = self.config
             if captured.causal is not None and config.causal is None:
@@ -266,19 +363,21 @@ class PODMonitor(Callback):
         elif list(captured.layer_names) != self._layer_names:
             raise ValueError("the captured layers changed between batches")
         n_seq, seq_len = captured.fields[0].shape[0], captured.fields[0].shape[-1]
+        device = captured.fields[0].device
         if self._seq_len is None:
             self._seq_len = seq_len
         if seq_len != self._seq_len:
             self._skipped["length"] += n_seq
-            return
-        keep = torch.ones(n_seq, dtype=torch.bool, device=captured.fields[0].device)
+            return torch.zeros(0, dtype=torch.long, device=device)
+        keep = torch.ones(n_seq, dtype=torch.bool, device=device)
         if captured.valid is not None:
-            valid = captured.valid.to(keep.device).bool()
+            valid = captured.valid.to(device).bool()
             self._skipped["padding"] += int((~valid).sum())
             keep &= valid
-        index = torch.nonzero(keep).flatten()[: max(0, target - self._taken)]
-        if index.numel() == 0:
-            return
+        return torch.nonzero(keep).flatten()
+
+    def _add(self, captured: CapturedAttention, index: torch.Tensor) -> None:
+        """Head-average the sequences ``index`` (b,) of every layer and feed the accumulators."""
         try:
             for name, f in zip(self._layer_names, captured.fields, strict=True):
                 sel = f.index_select(0, index.to(f.device))  # (b, H, T, T)
@@ -296,18 +395,13 @@ class PODMonitor(Callback):
         self._taken += int(index.numel())
 
     def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if trainer.sanity_checking or self._adapter is None:
-            return
-        _, rank = self._world(trainer)
-        if not self._monitoring and not self._run_errors:
+        self._stop_capture()
+        if trainer.sanity_checking or self._adapter is None or not self._monitored_run:
             # every rank decides the same way (same validation count), so nobody waits here
             return
+        _, rank = self._world(trainer)
         t0 = time.perf_counter()
-        try:
-            states = self._gather_states(trainer)
-        except Exception as err:  # noqa: BLE001
-            self._handle("gathering snapshots across processes", err)
-            return
+        states = self._gather_states(trainer)  # a collective on every rank; never raises
         if rank != 0:
             self._reset_run()
             return
@@ -316,42 +410,51 @@ class PODMonitor(Callback):
                 (s["layer_names"] for s in states if s["layer_names"]), []))
         try:
             reports = self._merge_and_compute(states)
-            t1 = time.perf_counter()
-            self.timings = {"capture_s": self._capture_seconds, "accumulate_s": self._accumulate_seconds,
-                            "compute_s": t1 - t0}
+        except Exception as err:  # noqa: BLE001
+            self._handle("analysing", err)
+            self._reset_run()
+            return
+        self._warn_if_short(reports)
+        t1 = time.perf_counter()
+        self.timings = {"capture_s": self._capture_seconds, "accumulate_s": self._accumulate_seconds,
+                        "compute_s": t1 - t0}
+        try:
             self._report(trainer, reports)
             self.timings["logging_s"] = time.perf_counter() - t1
-            if self.history:
-                self.history[-1]["timings"] = dict(self.timings)
+            if self._history:
+                self._history[-1]["timings"] = dict(self.timings)
         except Exception as err:  # noqa: BLE001
-            self._handle("analysing or logging", err)
+            self._handle("logging", err)
         self._reset_run()
 
     def _gather_states(self, trainer: Trainer) -> list[dict[str, Any]]:
-        """Every rank calls the collective (also with nothing to send), rank 0 gets all states.
-
-        In a single process the accumulators themselves are passed on (no copy of the snapshots).
-        """
+        """Every rank calls the collective (also with nothing to send, or after an error), rank 0
+        gets all states. In a single process the accumulators themselves are passed on (no copy of
+        the snapshots)."""
         payload: dict[str, Any] = {
             "layer_names": self._layer_names,
             "accumulators": dict(self._accumulators),
             "redundancy": dict(self._redundancy),
             "skipped": dict(self._skipped),
+            "taken": self._taken,
             "errors": list(self._run_errors),
-            "monitoring": self._monitoring,
         }
-        world, _ = self._world(trainer)
-        if world == 1 or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        if not is_distributed(trainer):
             return [payload]
-        states = {}
-        for name, acc in self._accumulators.items():
-            state = acc.state_dict()
-            states[name] = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
-        payload["accumulators"] = states
-        payload["redundancy"] = {name: acc.state_dict() for name, acc in self._redundancy.items()}
-        gathered: list[Any] = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(gathered, payload)
-        return gathered
+        try:
+            payload["accumulators"] = {
+                name: {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in acc.state_dict().items()}
+                for name, acc in self._accumulators.items()}
+            payload["redundancy"] = {name: acc.state_dict() for name, acc in self._redundancy.items()}
+        except Exception as err:  # noqa: BLE001 - this rank still joins the collective, with its error
+            payload.update(layer_names=[], accumulators={}, redundancy={}, taken=0)
+            payload["errors"].append(f"rank {global_rank(trainer)}: preparing its snapshots failed "
+                                     f"({type(err).__name__}: {err})")
+        try:
+            return all_gather_object(trainer, payload)
+        except Exception as err:  # noqa: BLE001
+            self._handle("gathering snapshots across processes", err)
+            return [payload]
 
     def _merge_and_compute(self, states: list[dict[str, Any]]) -> dict[str, PODReport]:
         names: list[str] = next((s["layer_names"] for s in states if s["layer_names"]), [])
@@ -361,6 +464,7 @@ class PODMonitor(Callback):
             for k, v in s["skipped"].items():
                 totals[k] = totals.get(k, 0) + int(v)
         self._skipped = totals
+        self._taken = sum(int(s.get("taken", 0)) for s in states)
         for s in states:
             for e in s["errors"]:
                 if e not in self._run_errors:
@@ -386,6 +490,32 @@ class PODMonitor(Callback):
         if self.per_head:
             self.last_redundancy = self._merge_redundancy(states)
         return reports
+
+    def _warn_if_short(self, reports: dict[str, PODReport]) -> None:
+        """One warning per monitor when a run had fewer usable sequences than asked, saying why."""
+        if self._taken >= self.n_snapshots or not self._monitored_run:
+            return
+        pad, length, budget = (self._skipped.get(k, 0) for k in ("padding", "length", "budget"))
+        reasons = []
+        if pad:
+            reasons.append(f"{pad} had padding (padding never enters a field)")
+        if length:
+            reasons.append(f"{length} had another length than the first batch's {self._seq_len} tokens")
+        if budget:
+            reasons.append(f"{budget} did not fit the memory budget")
+        short = [name for name, r in reports.items() if "/" not in name and r.status != "ok"]
+        if short:
+            reasons.append(f"layers {short} report {sorted({reports[n].status for n in short})}")
+        if self._run_errors:
+            reasons.append(f"capture or accumulation failed ({len(self._run_errors)} error(s), see the run's errors)")
+        if not reasons:
+            reasons.append("the validation loader ran out of sequences")
+        msg = (f"PODMonitor: only {self._taken} of the requested {self.n_snapshots} sequences were usable in this "
+               f"validation run: {'; '.join(reasons)}. What to do: give the monitored validation loader "
+               "fixed-length windows without padding (pack or concatenate the text, or drop short sequences), "
+               "choose another loader with PODMonitor(dataloader_idx=...), or lower n_snapshots.")
+        self._run_errors.append(msg)
+        self._note_once("short", msg)
 
     def _merge_redundancy(self, states: list[dict[str, Any]]) -> dict[str, HeadRedundancy]:
         """Merge every process's head-redundancy sums and compute them (a failing layer is left out
@@ -427,16 +557,20 @@ class PODMonitor(Callback):
                     raise
                 self._run_errors.append(f"readiness tracking failed: {type(err).__name__}: {err}")
 
-    @rank_zero_only
-    def _report(self, trainer: Trainer, reports: dict[str, PODReport]) -> None:
+    def _get_publisher(self) -> Any:
         from .reporting.publish import Publisher
 
         if self._publisher is None:
-            self._publisher = Publisher(self.run_dir(trainer), self.prefix)
+            self._publisher = Publisher(self.run_dir(), self.prefix, run_id=self.run_id,
+                                        warning=PODMonitorWarning, strict=self.strict)
+        return self._publisher
+
+    def _report(self, trainer: Trainer, reports: dict[str, PODReport]) -> None:
+        """Rank zero only (no collective in here): write the run's outputs, keep its summary."""
         images = self.log_images and (self.monitored_count % self.images_every_n == 0)
         if self.per_head:
             self._advise(int(trainer.global_step), reports)
-        summary = self._publisher.publish(
+        summary = self._get_publisher().publish(
             loggers=trainer.loggers,
             reports=reports,
             layer_names=self._layer_names,
@@ -449,27 +583,34 @@ class PODMonitor(Callback):
             head_allocation=self.last_advice,
             head_redundancy=self.last_redundancy if self.per_head else None,
             readiness=self.last_readiness,
+            stage=self._stage,
+            extra_record={"n_requested": self.n_snapshots, "n_taken": self._taken},
         )
         self.monitored_count += 1
-        self.history.append(summary)
+        self._history.append(summary)
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self._stop_capture()
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._stop_capture()
+        if self._publisher is not None:
+            self._publisher.close()
+            self._publisher = None
+        self._hand_over(trainer)
 
     # ------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:
         return {
             "version": STATE_VERSION,
-            "history": list(self.history),
+            "history": list(self._history),
             "validation_count": self.validation_count,
             "monitored_count": self.monitored_count,
             "n_snapshots": self.n_snapshots,
             "every_n_validations": self.every_n_validations,
             "config": self.config.to_dict(),
             "readiness": self.readiness.state_dict() if self.readiness is not None else None,
+            "run_id": self.run_id,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -477,11 +618,16 @@ class PODMonitor(Callback):
             warnings.warn("PODMonitor: unknown checkpoint state version, history not restored",
                           PODMonitorWarning, stacklevel=2)
             return
-        self.history = list(state_dict.get("history", []))
+        self._history = list(state_dict.get("history", []))
         self.validation_count = int(state_dict.get("validation_count", 0))
         self.monitored_count = int(state_dict.get("monitored_count", 0))
         if self.readiness is not None and state_dict.get("readiness"):
             self.readiness.load_state_dict(state_dict["readiness"])
+        self._resumed_from = {"run_id": state_dict.get("run_id")}
+
+    def _load_handoff(self, state: dict[str, Any]) -> None:
+        self.load_state_dict(state)
+        self._resumed_from = None  # the workers' state, not a resume
 
 
 def _active_heads(pl_module: LightningModule, layer_names: Sequence[str]) -> dict[str, list[bool]] | None:

@@ -173,7 +173,12 @@ def test_checkpoint_resume_keeps_history(tmp_path):
     assert len(resumed.history) == 2
     assert resumed.history[0] == monitor.history[0]
     assert resumed.validation_count == 2
-    assert [r["epoch"] for r in read_jsonl(tmp_path / "pm" / "podmonitor.jsonl")] == [0, 1]
+    records = read_jsonl(tmp_path / "pm" / "podmonitor.jsonl")
+    # report of epoch 0, the resume marker (resumed at the checkpoint's step: nothing superseded), report of epoch 1
+    assert [r["kind"] for r in records] == ["report", "resume", "report"]
+    assert [r["epoch"] for r in records if r["kind"] == "report"] == [0, 1]
+    assert records[1]["previous_run_id"] == monitor.run_id and records[1]["superseded_steps"] == []
+    assert records[1]["step"] == records[0]["step"]
 
 
 def test_invalid_arguments_are_rejected_at_construction():

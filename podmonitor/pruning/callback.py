@@ -43,9 +43,11 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch import LightningModule, Trainer
 
-from ..reporting.sinks import JSONLinesWriter, sinks_for_loggers
+from ..callback_base import MonitorCallback
+from ..distributed import all_ranks_true, broadcast_object, resolve_run_dir
+from ..reporting.delivery import Outputs
 from .advisor import HeadAllocationAdvice
 from .importance import lowest_importance_heads, michel_head_importance
 from .masking import HeadMasker
@@ -120,7 +122,7 @@ def latest_advice(monitor: Any) -> HeadAllocationAdvice | Mapping[str, Any] | No
     return None
 
 
-class HeadPruning(Callback):
+class HeadPruning(MonitorCallback):
     """Mask attention heads once during training (see the module docstring).
 
     Args:
@@ -172,7 +174,7 @@ class HeadPruning(Callback):
         self.output_dir = output_dir
         self.prefix = prefix
         self.strict = strict
-        self.actions: list[dict[str, Any]] = []
+        self._init_shell()  # history = actions (checkpointed), run dir
         self.done = False
         self.masker: HeadMasker | None = None
         self._ready_seen = False
@@ -180,7 +182,18 @@ class HeadPruning(Callback):
         # every validation end; cleared on all ranks after an attempt, successful or not)
         self._armed = False
         self._loaded_masker_state: dict[str, Any] | None = None
-        self._writer: JSONLinesWriter | None = None
+        self._outputs: Outputs | None = None
+
+    warning_class = PruningWarning
+
+    @property
+    def actions(self) -> list[dict[str, Any]]:
+        """What the callback did, one record per action (checkpointed; after ``ddp_spawn``, rank zero's)."""
+        return self.history
+
+    @actions.setter
+    def actions(self, value: list[dict[str, Any]]) -> None:
+        self.history = value
 
     @property
     def state_key(self) -> str:
@@ -190,19 +203,16 @@ class HeadPruning(Callback):
     def _monitor(self, trainer: Trainer) -> Any:
         return self.monitor if self.monitor is not None else find_monitor(trainer)
 
-    def _run_dir(self, trainer: Trainer) -> str:
-        if self.output_dir is not None:
-            return self.output_dir
+    def _setup_run_dir(self, trainer: Trainer) -> None:
+        """``output_dir``, else the monitor's folder, else ``<log_dir or default_root_dir>/podmonitor``;
+        a collective (``trainer.log_dir``): called from ``setup`` on every rank."""
         mon = self._monitor(trainer)
-        if mon is not None:
-            return mon.run_dir(trainer)
-        return os.path.join(trainer.log_dir or trainer.default_root_dir, "podmonitor")
+        out = self.output_dir if self.output_dir is not None else getattr(mon, "output_dir", None)
+        self._run_dir = resolve_run_dir(trainer, out)
 
     def _warn(self, where: str, err: BaseException) -> None:
-        if self.strict:
-            raise err
-        warnings.warn(f"HeadPruning: {where} failed ({type(err).__name__}: {err}); training goes on",
-                      PruningWarning, stacklevel=2)
+        self._warn_or_raise(f"HeadPruning: {where} failed ({type(err).__name__}: {err}); training goes on", err,
+                            stacklevel=4)
 
     def select(self, trainer: Trainer, pl_module: LightningModule, masker: HeadMasker) -> tuple[Heads, str]:
         """(heads to prune, evidence text) by the strategy."""
@@ -245,6 +255,7 @@ class HeadPruning(Callback):
 
     # ------------------------------------------------------------------ hooks
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._setup_run_dir(trainer)  # a collective: here, on every rank
         try:
             self.masker = HeadMasker(pl_module)
         except Exception as err:  # noqa: BLE001
@@ -257,9 +268,7 @@ class HeadPruning(Callback):
 
     def _all_ranks(self, trainer: Trainer, flag: bool) -> bool:
         """True when ``flag`` holds on every rank (a collective in DDP: call it on all ranks)."""
-        if trainer.world_size > 1:
-            return bool(trainer.strategy.reduce_boolean_decision(bool(flag), all=True))
-        return bool(flag)
+        return all_ranks_true(trainer, flag)
 
     def _arm(self, trainer: Trainer) -> None:
         """Agree (all ranks) whether the callback may attempt to prune at the next trigger."""
@@ -277,9 +286,7 @@ class HeadPruning(Callback):
             if trainer.global_rank == 0:  # the monitor's readiness lives on rank 0
                 readiness = getattr(self._monitor(trainer), "readiness", None)
                 ready = bool(readiness is not None and readiness.stable)
-            if trainer.world_size > 1:
-                ready = bool(trainer.strategy.broadcast(ready, src=0))
-            self._ready_seen = ready
+            self._ready_seen = bool(broadcast_object(trainer, ready, src=0))
         self._arm(trainer)  # also re-arms after a failed attempt: the next try is after this run
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
@@ -303,8 +310,7 @@ class HeadPruning(Callback):
             if trainer.world_size == 1:
                 self._warn("choosing heads", err)
                 return {}
-        if trainer.world_size > 1:
-            heads, evidence = trainer.strategy.broadcast((heads, evidence), src=0)
+        heads, evidence = broadcast_object(trainer, (heads, evidence), src=0)
         if not heads:
             if trainer.world_size > 1 and evidence.startswith("error"):
                 self._warn("choosing heads", RuntimeError(evidence))
@@ -338,9 +344,13 @@ class HeadPruning(Callback):
         if trainer.global_rank != 0:
             return
         try:
-            if self._writer is None:
-                self._writer = JSONLinesWriter(os.path.join(self._run_dir(trainer), "pruning.jsonl"))
-            self._writer.append(entry)
+            run_dir = self.run_dir(trainer)
+            if self._outputs is None:
+                self._outputs = Outputs("HeadPruning", PruningWarning,
+                                        jsonl_path=os.path.join(run_dir, "pruning.jsonl"),
+                                        fallback_dir=os.path.join(run_dir, "images"), prefix=self.prefix,
+                                        layout={}, strict=self.strict)
+            self._outputs.record(entry)
             heads_text = "; ".join(f"layer {k}: heads {v}" for k, v in heads.items()) or "none"
             text = (f"### head pruning: {action} at step {entry['step']} ({trigger})\n\n"
                     f"- heads: {heads_text}\n- pruned in total: {entry['n_pruned']}\n"
@@ -349,10 +359,12 @@ class HeadPruning(Callback):
             scalars = {f"{p}/pruning/n_pruned": float(entry["n_pruned"])}
             for i, active in enumerate(self.masker.active()):
                 scalars[f"{p}/heads_active/layer_{i:02d}"] = float(sum(active))
-            for sink in sinks_for_loggers(trainer.loggers, os.path.join(self._run_dir(trainer), "images"), prefix=p):
+
+            def write(sink: Any) -> None:
                 sink.log_scalars(scalars, entry["step"])
                 sink.log_text(f"{p}/pruning", text, entry["step"])
-                sink.flush()
+
+            self._outputs.send(trainer.loggers, write)
         except Exception as err:  # noqa: BLE001
             self._warn("logging the pruning", err)
 
@@ -380,11 +392,22 @@ class HeadPruning(Callback):
         if self.make_permanent_at_end and self.masker is not None and self.masker.pruned and not self.masker.permanent:
             self.make_permanent(trainer)
 
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if self._outputs is not None:
+            self._outputs.close()
+            self._outputs = None
+        self._hand_over(trainer)
+
+    def _load_handoff(self, state: dict[str, Any]) -> None:
+        # the main process after ddp_spawn: what was done; the masks come back with the model's weights
+        self._history = list(state.get("actions", []))
+        self.done = bool(state.get("done", False))
+
     # ------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:
         return {
             "version": STATE_VERSION,
-            "actions": list(self.actions),
+            "actions": list(self._history),
             "done": self.done,
             "masker": self.masker.state_dict() if self.masker is not None else None,
         }
@@ -393,7 +416,7 @@ class HeadPruning(Callback):
         if state_dict.get("version") != STATE_VERSION:
             warnings.warn("HeadPruning: unknown checkpoint state version, not restored", PruningWarning, stacklevel=2)
             return
-        self.actions = list(state_dict.get("actions", []))
+        self._history = list(state_dict.get("actions", []))
         self.done = bool(state_dict.get("done", False))
         masker_state = state_dict.get("masker")
         if masker_state is not None:

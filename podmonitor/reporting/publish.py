@@ -15,9 +15,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..engine.report import PODReport
+from .delivery import Outputs
 from .figures import figure_to_array, head_allocation_figure, layer_images, scale_organisation_figure
 from .scalars import layer_scalars, summary_markdown
-from .sinks import JSONLinesWriter, ReportSink, sinks_for_loggers, strict_jsonable
+from .sinks import read_json_lines, strict_jsonable
 
 JSONL_NAME = "podmonitor.jsonl"
 
@@ -41,39 +42,67 @@ def headline(report: PODReport) -> dict[str, Any]:
 class Publisher:
     """Writes reports to the trainer's loggers and to ``<out_dir>/podmonitor.jsonl``.
 
+    Every record of the JSON-lines file has a ``kind``: ``"report"`` (one monitored validation
+    run, with its ``stage``, "fit" or "validate", and the ``run_id`` of the monitor that wrote it)
+    or ``"resume"`` (a marker: training resumed from a checkpoint; it names the steps of earlier
+    records that the resumed run will measure again). A report whose step and stage are already in
+    the file says so in ``repeats`` (the run id of the earlier record), so a reader never meets two
+    records of one step without being told.
+
+    Each output fails on its own (:class:`~podmonitor.reporting.delivery.Outputs`): a read-only
+    folder or a failing logger costs that output only, with one warning naming it.
+
     Args:
         out_dir: the monitor's run directory (JSON-lines file; PNG pictures when no logger
             takes images).
         prefix: scalar and image tag prefix.
+        run_id: written into every record (default: none).
+        warning: the warning class of sink failures.
+        strict: re-raise a sink's failure instead of warning.
     """
 
-    def __init__(self, out_dir: str, prefix: str = "pod") -> None:
+    def __init__(self, out_dir: str, prefix: str = "pod", *, run_id: str | None = None,
+                 warning: type[Warning] = UserWarning, strict: bool = False) -> None:
         self.out_dir = out_dir
         self.prefix = prefix
-        self.jsonl = JSONLinesWriter(os.path.join(out_dir, JSONL_NAME))
-        self._sinks: list[ReportSink] | None = None
+        self.run_id = run_id
+        self.outputs = Outputs("PODMonitor", warning, jsonl_path=os.path.join(out_dir, JSONL_NAME),
+                               fallback_dir=os.path.join(out_dir, "images"), prefix=prefix, strict=strict)
+        self._seen = _records_in(os.path.join(out_dir, JSONL_NAME))  # (step, stage) -> run id
 
-    def sinks(self, loggers: Any, layer_names: Sequence[str]) -> list[ReportSink]:
-        if self._sinks is None:
-            self._sinks = sinks_for_loggers(loggers, os.path.join(self.out_dir, "images"),
-                                            prefix=self.prefix, layer_names=list(layer_names))
-        return self._sinks
+    def mark_resume(self, *, step: int, previous_run_id: str | None, stage: str = "fit") -> dict[str, Any]:
+        """Write the resume marker: training goes on from ``step``; records of ``stage`` beyond it
+        already in the file (from the run that was resumed) will be measured again."""
+        superseded = sorted(s for (s, st) in self._seen if st == stage and s > step)
+        marker = {"kind": "resume", "run_id": self.run_id, "previous_run_id": previous_run_id, "stage": stage,
+                  "step": int(step), "superseded_steps": superseded,
+                  "time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
+        self.outputs.record(marker)
+        return marker
 
     def publish(self, *, loggers: Any, reports: Mapping[str, PODReport], layer_names: Sequence[str], step: int,
                 epoch: int, images: bool, skipped: Mapping[str, int], errors: Sequence[str],
                 timings: Mapping[str, float], head_allocation: Any = None,
                 head_redundancy: Mapping[str, Any] | None = None,
-                readiness: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                readiness: Mapping[str, Any] | None = None, stage: str = "fit",
+                extra_record: Mapping[str, Any] | None = None,
+                extra_scalars: Mapping[str, float] | None = None) -> dict[str, Any]:
         """Write everything for one monitored validation run; returns the history entry.
 
         ``head_allocation`` (a :class:`~podmonitor.pruning.HeadAllocationAdvice`), ``head_redundancy``
         (``{layer: HeadRedundancy}``) and ``readiness`` (the record of
         :meth:`~podmonitor.pruning.AdviceReadiness.update`) come with the per-head analysis; each
         adds its part to the record, the scalars, the text, the pictures and a table
-        (:func:`pruning_outputs`).
+        (:func:`pruning_outputs`). ``extra_record`` adds keys to the JSON-lines record,
+        ``extra_scalars`` scalars to every logger. The failures of single outputs are in the
+        returned entry's ``output_failures``.
         """
+        self.outputs.clear_failures()
         p = self.prefix
         record: dict[str, Any] = {
+            "kind": "report",
+            "run_id": self.run_id,
+            "stage": stage,
             "step": step,
             "epoch": epoch,
             "time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -88,8 +117,14 @@ class Publisher:
             record["head_redundancy"] = {name: red.to_dict() for name, red in head_redundancy.items()}
         if readiness is not None:
             record["readiness"] = strict_jsonable(dict(readiness))
+        if extra_record:
+            record.update(strict_jsonable(dict(extra_record)))
+        previous = self._seen.get((step, stage))
+        if previous is not None:
+            record["repeats"] = previous
         # the record is on disk before anything else can fail
-        self.jsonl.append(record)
+        self.outputs.record(record)
+        self._seen[(step, stage)] = self.run_id or ""
 
         scalars: dict[str, float] = {}
         for name, rep in reports.items():
@@ -100,14 +135,19 @@ class Publisher:
         for k, v in timings.items():
             scalars[f"{p}/run/{k}"] = float(v)
         scalars[f"{p}/run/errors"] = float(len(errors))
+        scalars.update(extra_scalars or {})
 
         layer_reports = [reports[n] for n in layer_names if n in reports]
         present = [n for n in layer_names if n in reports]
         pictures: dict[str, Any] = {}
         if images and layer_reports:
-            pictures[f"{p}/scale_organisation"] = figure_to_array(scale_organisation_figure(layer_reports, present))
-            for name in present:
-                pictures.update(layer_images(reports[name], name, prefix=p))
+            try:
+                pictures[f"{p}/scale_organisation"] = figure_to_array(scale_organisation_figure(layer_reports, present))
+                for name in present:
+                    pictures.update(layer_images(reports[name], name, prefix=p))
+            except Exception as err:  # noqa: BLE001 - a picture never costs the numbers
+                self.outputs._failed("the pictures", "drawing", err)
+                pictures = {}
         text = summary_markdown(layer_reports, present, step=step) if layer_reports else ""
         if errors:
             text += "\n\n**Problems in this run:**\n\n" + "\n".join(f"- {e}" for e in errors)
@@ -115,7 +155,9 @@ class Publisher:
         scalars.update(extra["scalars"])
         pictures.update(extra["images"])
 
-        for sink in self.sinks(loggers, layer_names):
+        self.outputs.layer_names = list(layer_names)
+
+        def write(sink: Any) -> None:
             sink.log_scalars(scalars, step)
             if pictures:
                 sink.log_images(pictures, step)
@@ -125,10 +167,12 @@ class Publisher:
                 sink.log_text(f"{p}/head_allocation", extra["text"], step)
             if extra["table"] is not None:
                 sink.log_table(f"{p}/head_allocation_table", *extra["table"], step)
-            sink.flush()
+
+        self.outputs.send(loggers, write)
         entry: dict[str, Any] = {
             "step": step,
             "epoch": epoch,
+            "stage": stage,
             "skipped": dict(skipped),
             "errors": list(errors),
             "layers": {name: headline(rep) for name, rep in reports.items()},
@@ -136,7 +180,27 @@ class Publisher:
         for key in ("head_allocation", "readiness"):
             if key in record:
                 entry[key] = record[key]
+        entry["output_failures"] = list(self.outputs.failures)
         return entry
+
+    def close(self) -> None:
+        """Close the JSON-lines file, flush the sinks."""
+        self.outputs.close()
+
+
+def _records_in(path: str) -> dict[tuple[int, str], str]:
+    """``{(step, stage): run_id}`` of the reports already in a JSON-lines file (empty when there is
+    no readable file; records of older versions without a stage count as "fit")."""
+    try:
+        records = read_json_lines(path) if os.path.exists(path) else []
+    except Exception:  # noqa: BLE001 - an unreadable or truncated file: nothing to compare with
+        return {}
+    out: dict[tuple[int, str], str] = {}
+    for r in records:
+        if r.get("kind", "report") != "report" or not isinstance(r.get("step"), int):
+            continue
+        out[(int(r["step"]), str(r.get("stage") or "fit"))] = str(r.get("run_id") or "")
+    return out
 
 
 def pruning_outputs(head_allocation: Any, head_redundancy: Mapping[str, Any] | None,

@@ -27,7 +27,7 @@ import math
 import os
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,7 @@ __all__ = [
     "WandbSink",
     "read_json_lines",
     "safe_filename",
+    "sink_factories",
     "sinks_for_loggers",
     "strict_jsonable",
 ]
@@ -291,12 +292,11 @@ class PNGSink(ReportSink):
     Every write is flushed and fsynced at once: nothing is lost if training dies later.
 
     Args:
-        directory: created if missing.
+        directory: created if missing, at the first write.
     """
 
     def __init__(self, directory: str | os.PathLike) -> None:
         self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
 
     @property
     def scalars_path(self) -> Path:
@@ -310,6 +310,7 @@ class PNGSink(ReportSink):
     def log_scalars(self, scalars: Mapping[str, float], step: int) -> None:
         step = _check_step(step)
         path = self.scalars_path
+        self.directory.mkdir(parents=True, exist_ok=True)
         new = not path.exists() or path.stat().st_size == 0
         with open(path, "a", newline="", encoding="utf-8") as f:
             w = csv.writer(f)
@@ -463,33 +464,53 @@ def _is_lightning_logger(logger: Any, class_name: str) -> bool:
     return False
 
 
-def sinks_for_loggers(loggers: Any, fallback_dir: str | os.PathLike, *, prefix: str = "pod",
-                      layer_names: Sequence[str] | None = None) -> list[ReportSink]:
-    """The sinks for a trainer's loggers (``trainer.loggers``).
+def sink_factories(loggers: Any, fallback_dir: str | os.PathLike, *, prefix: str = "pod",
+                   layer_names: Sequence[str] | None = None, layout: dict | None = None
+                   ) -> list[tuple[str, Callable[[], ReportSink]]]:
+    """``[(label, make_sink), ...]`` for a trainer's loggers, nothing created yet.
 
-    ``TensorBoardLogger`` -> :class:`TensorBoardSink` of its ``experiment``; ``WandbLogger`` ->
-    :class:`WandbSink` of its ``experiment``; any other logger (CSVLogger, MLflow, ...) or no logger
-    at all -> one :class:`PNGSink` in ``fallback_dir`` (at most one, however many such loggers).
-    Accessing ``experiment`` creates the writer / run if the logger has not yet done so.
+    ``TensorBoardLogger`` -> :class:`TensorBoardSink` of its ``experiment`` (label "TensorBoard");
+    ``WandbLogger`` -> :class:`WandbSink` of its ``experiment`` ("W&B"); any other logger
+    (CSVLogger, MLflow, ...) or no logger at all -> one :class:`PNGSink` in ``fallback_dir`` ("PNG
+    files (<dir>)", at most one, however many such loggers). Calling ``make_sink`` accesses the
+    logger's ``experiment``, which creates the writer / run if the logger has not yet done so; it
+    may raise (a read-only folder), which is why each sink is made on its own
+    (:class:`~podmonitor.reporting.delivery.Outputs`).
 
     Args:
         loggers: a list of loggers, a single logger, or None.
         fallback_dir: folder of the PNG sink.
-        prefix, layer_names: passed to :class:`TensorBoardSink` for its custom-scalars layout.
+        prefix, layer_names, layout: passed to :class:`TensorBoardSink` for its custom-scalars layout.
     """
     if loggers is None:
         loggers = []
     elif not isinstance(loggers, (list, tuple)):
         loggers = [loggers]
-    sinks: list[ReportSink] = []
+    out: list[tuple[str, Callable[[], ReportSink]]] = []
+    step_metric = f"{prefix}/step" if prefix else "pod/step"
     need_png = not loggers
-    for logger in loggers:
+    for i, logger in enumerate(loggers):
+        label = "TensorBoard" if i == 0 else f"TensorBoard ({i})"
         if _is_lightning_logger(logger, "TensorBoardLogger"):
-            sinks.append(TensorBoardSink(logger.experiment, prefix=prefix, layer_names=layer_names))
+            out.append((label, lambda lg=logger: TensorBoardSink(lg.experiment, prefix=prefix,
+                                                                 layer_names=layer_names, layout=layout)))
         elif _is_lightning_logger(logger, "WandbLogger"):
-            sinks.append(WandbSink(logger.experiment, step_metric=f"{prefix}/step" if prefix else "pod/step"))
+            out.append(("W&B" if i == 0 else f"W&B ({i})",
+                        lambda lg=logger: WandbSink(lg.experiment, step_metric=step_metric)))
         else:
             need_png = True
     if need_png:
-        sinks.append(PNGSink(fallback_dir))
-    return sinks
+        out.append((f"PNG files ({fallback_dir})", lambda: PNGSink(fallback_dir)))
+    return out
+
+
+def sinks_for_loggers(loggers: Any, fallback_dir: str | os.PathLike, *, prefix: str = "pod",
+                      layer_names: Sequence[str] | None = None) -> list[ReportSink]:
+    """The sinks for a trainer's loggers (``trainer.loggers``), all created now.
+
+    See :func:`sink_factories` for which logger gives which sink.
+
+    Raises:
+        Exception: whatever creating a sink raises (a read-only ``fallback_dir``, ...).
+    """
+    return [make() for _, make in sink_factories(loggers, fallback_dir, prefix=prefix, layer_names=layer_names)]

@@ -23,8 +23,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch import LightningModule, Trainer
 
+from ..callback_base import MonitorCallback
 from .lipschitz import JacobianMode
 from .measure import LayerSmoothness, measure_sublayer
 from .sublayers import AttentionSublayer, InputCapture, find_attention_sublayers
@@ -39,7 +40,7 @@ class SmoothnessMonitorWarning(UserWarning):
     """A problem inside the smoothness monitor that did not stop training."""
 
 
-class SmoothnessMonitor(Callback):
+class SmoothnessMonitor(MonitorCallback):
     """Local Lipschitz constant of every attention sub-layer and its growth with sequence length.
 
     Per attention sub-layer f (all heads and the output projection, no residual), at its actual
@@ -89,6 +90,8 @@ class SmoothnessMonitor(Callback):
         >>> from podmonitor.smoothness import SmoothnessMonitor
         >>> trainer = Trainer(callbacks=[SmoothnessMonitor(every_n_validations=5)])
     """
+
+    warning_class = SmoothnessMonitorWarning
 
     def __init__(
         self,
@@ -140,7 +143,7 @@ class SmoothnessMonitor(Callback):
         self.seed = seed
         self.strict = strict
 
-        self.history: list[dict[str, Any]] = []  # one summary per monitored validation run
+        self._init_shell()  # history (one summary per monitored validation run), run dir
         self.validation_count = 0
         self.last_results: dict[str, LayerSmoothness] = {}
         self.warm: dict[str, dict[int, torch.Tensor]] = {}  # layer -> n -> (b, n, C) CPU vectors
@@ -148,8 +151,7 @@ class SmoothnessMonitor(Callback):
         self._sublayers: list[AttentionSublayer] = []
         self._capture: InputCapture | None = None
         self._capturing = False
-        self._sinks: list[Any] | None = None
-        self._jsonl: Any = None
+        self._outputs: Any = None
         self._write_layout = tensorboard_layout
         self._reset_run()
 
@@ -169,9 +171,7 @@ class SmoothnessMonitor(Callback):
     def _warn(self, where: str, err: BaseException) -> None:
         msg = f"SmoothnessMonitor: {where} failed ({type(err).__name__}: {err})"
         self._errors.append(msg)
-        if self.strict:
-            raise err
-        warnings.warn(msg, SmoothnessMonitorWarning, stacklevel=3)
+        self._warn_or_raise(msg, err, stacklevel=4)
 
     def _stop_capture(self) -> None:
         if self._capture is not None and self._capturing:
@@ -182,14 +182,9 @@ class SmoothnessMonitor(Callback):
                               stacklevel=2)
         self._capturing = False
 
-    def run_dir(self, trainer: Trainer) -> str:
-        """Folder of ``smoothness.jsonl`` (and of PNG pictures when no logger takes images)."""
-        if self.output_dir is not None:
-            return self.output_dir
-        return os.path.join(trainer.log_dir or trainer.default_root_dir, "podmonitor")
-
     # ----------------------------------------------------------------- hooks
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._setup_run_dir(trainer)  # a collective (trainer.log_dir): here, on every rank
         try:
             self._sublayers = find_attention_sublayers(pl_module, self.modules)
             if not self._sublayers:
@@ -278,7 +273,8 @@ class SmoothnessMonitor(Callback):
                 self._warn("logging", err)
 
     def _report(self, trainer: Trainer, results: dict[str, LayerSmoothness], seconds: float) -> None:
-        from ..reporting.sinks import JSONLinesWriter, TensorBoardSink, sinks_for_loggers
+        """Rank zero only (no collective in here): write the run's outputs, each on its own."""
+        from ..reporting.delivery import Outputs
         from ..reporting.smoothness import (
             smoothness_images,
             smoothness_layout,
@@ -289,10 +285,17 @@ class SmoothnessMonitor(Callback):
         step, epoch = int(trainer.global_step), int(trainer.current_epoch)
         p = self.prefix
         run_dir = self.run_dir(trainer)
-        if self._jsonl is None:
-            self._jsonl = JSONLinesWriter(os.path.join(run_dir, JSONL_NAME))
         sigma_run = any(r.lengths for r in results.values())
-        self._jsonl.append({
+        if self._outputs is None:
+            lengths = sorted({n for r in results.values() for n in r.lengths})
+            layout = smoothness_layout(lengths, p) if self._write_layout and lengths else {}
+            self._outputs = Outputs("SmoothnessMonitor", SmoothnessMonitorWarning,
+                                    jsonl_path=os.path.join(run_dir, JSONL_NAME),
+                                    fallback_dir=os.path.join(run_dir, "images"), prefix=p, layout=layout,
+                                    strict=self.strict)
+        out = self._outputs
+        out.clear_failures()
+        out.record({
             "step": step,
             "epoch": epoch,
             "validation": self.validation_count,
@@ -302,32 +305,34 @@ class SmoothnessMonitor(Callback):
             "errors": list(self._errors),
             "layers": {name: r.to_dict() for name, r in results.items()},
         })
-        if self._sinks is None:
-            sinks = sinks_for_loggers(trainer.loggers, os.path.join(run_dir, "images"), prefix=p)
-            lengths = sorted({n for r in results.values() for n in r.lengths})
-            layout = smoothness_layout(lengths, p) if self._write_layout and lengths else {}
-            self._sinks = [TensorBoardSink(s.writer, prefix=p, layout=layout) if isinstance(s, TensorBoardSink)
-                           else s for s in sinks]
         scalars: dict[str, float] = {}
         for name, r in results.items():
             scalars.update(smoothness_scalars(r, name, prefix=p))
         scalars[f"{p}/run/seconds"] = seconds
         scalars[f"{p}/run/errors"] = float(len(self._errors))
-        images = smoothness_images(results, prefix=p) if (self.log_images and sigma_run) else {}
+        images: dict[str, Any] = {}
+        if self.log_images and sigma_run:
+            try:
+                images = smoothness_images(results, prefix=p)
+            except Exception as err:  # noqa: BLE001 - a picture never costs the numbers
+                out._failed("the pictures", "drawing", err)
         text = smoothness_markdown(results, step=step) if sigma_run else ""
-        for sink in self._sinks:
+
+        def write(sink: Any) -> None:
             sink.log_scalars(scalars, step)
             if images:
                 sink.log_images(images, step)
             if text:
                 sink.log_text(f"{p}/summary", text, step)
-            sink.flush()
-        self.history.append({
+
+        out.send(trainer.loggers, write)
+        self._history.append({
             "step": step,
             "epoch": epoch,
             "validation": self.validation_count,
             "seconds": seconds,
             "layers": {name: _headline(r) for name, r in results.items()},
+            "output_failures": list(out.failures),
         })
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
@@ -335,22 +340,16 @@ class SmoothnessMonitor(Callback):
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._stop_capture()
-        if self._jsonl is not None:
-            self._jsonl.close()
-            self._jsonl = None
-        if self._sinks is not None:
-            for sink in self._sinks:
-                try:
-                    sink.flush()
-                except Exception:  # noqa: BLE001 - a closed logger
-                    pass
-            self._sinks = None
+        if self._outputs is not None:
+            self._outputs.close()
+            self._outputs = None
+        self._hand_over(trainer)
 
     # ------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:
         return {
             "version": STATE_VERSION,
-            "history": list(self.history),
+            "history": list(self._history),
             "validation_count": self.validation_count,
             "warm": {layer: {int(n): v.clone() for n, v in vecs.items()} for layer, vecs in self.warm.items()},
             "generator": self._generator.get_state(),
@@ -361,7 +360,7 @@ class SmoothnessMonitor(Callback):
             warnings.warn("SmoothnessMonitor: unknown checkpoint state version, state not restored",
                           SmoothnessMonitorWarning, stacklevel=2)
             return
-        self.history = list(state_dict.get("history", []))
+        self._history = list(state_dict.get("history", []))
         self.validation_count = int(state_dict.get("validation_count", 0))
         self.warm = {str(layer): {int(n): v.detach().float().cpu() for n, v in vecs.items()}
                      for layer, vecs in state_dict.get("warm", {}).items()}

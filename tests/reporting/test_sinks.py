@@ -121,8 +121,11 @@ def test_tensorboard_sink_from_lightning_logger_and_bad_image(tmp_path):
 def test_sinks_for_loggers_fallback(tmp_path):
     assert [type(s) for s in sinks_for_loggers([], tmp_path / "a")] == [PNGSink]
     assert [type(s) for s in sinks_for_loggers(None, tmp_path / "b")] == [PNGSink]
-    assert [type(s) for s in sinks_for_loggers([object(), object()], tmp_path / "c")] == [PNGSink]
-    assert (tmp_path / "c").is_dir()
+    (png,) = sinks_for_loggers([object(), object()], tmp_path / "c")
+    assert type(png) is PNGSink
+    assert not (tmp_path / "c").exists()  # made at the first write, so a read-only place costs only that sink
+    png.log_scalars({"pod/x": 1.0}, step=1)
+    assert (tmp_path / "c" / "scalars.csv").read_text().splitlines() == ["step,tag,value", "1,pod/x,1.0"]
 
 
 # --------------------------------------------------------------------------------------------
