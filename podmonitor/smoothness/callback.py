@@ -345,6 +345,20 @@ class SmoothnessMonitor(MonitorCallback):
             self._outputs = None
         self._hand_over(trainer)
 
+    # ------------------------------------------------------------ pickling (ddp_spawn)
+    def __getstate__(self) -> dict[str, Any]:
+        # torch.multiprocessing would share the generator's state tensor through a file
+        # descriptor, which fails for it ("unable to resize file"): send plain bytes instead
+        state = dict(self.__dict__)
+        state["_generator"] = bytes(self._generator.get_state().numpy().tobytes())
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        raw = state.pop("_generator")
+        self.__dict__.update(state)
+        self._generator = torch.Generator()
+        self._generator.set_state(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+
     # ------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:
         return {
