@@ -25,6 +25,7 @@ from .callback_base import MonitorCallback
 from .capture import CaptureAdapter, CapturedAttention, select_adapter
 from .distributed import all_gather_ints, all_gather_object, global_rank, is_distributed, share_quota, world_size
 from .engine import MemoryBudgetError, PODAccumulator, PODConfig, PODReport
+from .extras import ExtraContext, ExtraResult, MonitorExtra
 from .pruning.advisor import AdviceSettings, HeadAllocationAdvice, advise_from_reports
 from .pruning.readiness import AdviceReadiness
 from .pruning.redundancy import HeadRedundancy, HeadRedundancyAccumulator
@@ -89,6 +90,9 @@ class PODMonitor(MonitorCallback):
         strict: re-raise errors inside the monitor instead of warning.
         dataloader_idx: the validation loader to monitor (default 0, the first); batches of the
             other loaders are ignored, with one message saying so.
+        extras: extra analyses run on the same monitored batches and published with the POD
+            metrics (:class:`~podmonitor.extras.MonitorExtra`; for example
+            :class:`~podmonitor.pruning.HeadImportanceProbe`).
 
     Raises:
         ValueError: invalid arguments.
@@ -117,6 +121,7 @@ class PODMonitor(MonitorCallback):
         advice: AdviceSettings | None = None,
         readiness: AdviceReadiness | None = None,
         dataloader_idx: int = 0,
+        extras: Sequence[MonitorExtra] = (),
     ) -> None:
         if not isinstance(n_snapshots, int) or n_snapshots < 3:
             raise ValueError(f"n_snapshots must be an int >= 3, got {n_snapshots!r}")
@@ -126,6 +131,11 @@ class PODMonitor(MonitorCallback):
             raise ValueError(f"images_every_n must be an int >= 1, got {images_every_n!r}")
         if not isinstance(dataloader_idx, int) or isinstance(dataloader_idx, bool) or dataloader_idx < 0:
             raise ValueError(f"dataloader_idx must be an int >= 0, got {dataloader_idx!r}")
+        extras = list(extras)
+        if not all(isinstance(e, MonitorExtra) for e in extras):
+            raise ValueError("extras must be MonitorExtra instances")
+        if len({e.name for e in extras}) != len(extras):
+            raise ValueError(f"extras need unique names, got {[e.name for e in extras]}")
         if config is not None and not isinstance(config, PODConfig):
             raise ValueError(f"config must be a PODConfig, got {type(config).__name__}")
         if not (isinstance(capture, (str, CaptureAdapter)) or callable(capture)):
@@ -150,6 +160,8 @@ class PODMonitor(MonitorCallback):
         self.prefix = prefix
         self.strict = strict
         self.dataloader_idx = dataloader_idx
+        self.extras = extras
+        self.last_extras: dict[str, ExtraResult] = {}
 
         self._init_shell()  # history (one summary per monitored validation run), run dir
         self.run_id = uuid.uuid4().hex[:12]  # the same on every rank (the object is copied to them)
@@ -238,6 +250,18 @@ class PODMonitor(MonitorCallback):
                 raise
             warnings.warn(f"PODMonitor: no way to capture attention from this model, monitor inactive: {err}",
                           PODMonitorWarning, stacklevel=2)
+        for extra in self.extras:
+            self._call_extra(extra, "setup", trainer, pl_module, self._stage)
+
+    def _call_extra(self, extra: MonitorExtra, hook: str, *args: Any) -> Any:
+        """Call one hook of an extra; an error costs that extra's hook only (warned, or raised when strict)."""
+        try:
+            return getattr(extra, hook)(*args)
+        except Exception as err:  # noqa: BLE001
+            msg = f"PODMonitor: extra {extra.name!r} failed in {hook} ({type(err).__name__}: {err})"
+            self._run_errors.append(msg)
+            self._warn_or_raise(msg, err, stacklevel=4)
+            return None
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # after the checkpoint restored the loops: the step training resumes from is known
@@ -265,6 +289,9 @@ class PODMonitor(MonitorCallback):
         self._monitoring = self._monitored_run
         if not self._monitored_run:
             return
+        for extra in self.extras:  # the index is the same on every rank
+            self._call_extra(extra, "start_run", trainer, pl_module,
+                             (self.validation_count - 1) // self.every_n_validations)
         n_loaders = len(trainer.num_val_batches)
         if self.dataloader_idx >= n_loaders:
             self._monitoring = False
@@ -327,6 +354,9 @@ class PODMonitor(MonitorCallback):
             except Exception as err:  # noqa: BLE001
                 self._handle("accumulating attention fields", err)
         self._accumulate_seconds += time.perf_counter() - t1
+        if self._monitored_run:
+            for extra in self.extras:  # after the capture is off: extras may run forward passes
+                self._call_extra(extra, "on_batch", trainer, pl_module, batch, batch_idx, outputs)
 
     def _collect(self, pl_module: LightningModule, batch: Any, outputs: Any) -> CapturedAttention | None:
         """The batch's attention from the adapter (None after a failure, which is warned)."""
@@ -415,6 +445,7 @@ class PODMonitor(MonitorCallback):
             self._reset_run()
             return
         self._warn_if_short(reports)
+        self._compute_extras(trainer, states, reports)
         t1 = time.perf_counter()
         self.timings = {"capture_s": self._capture_seconds, "accumulate_s": self._accumulate_seconds,
                         "compute_s": t1 - t0}
@@ -438,6 +469,7 @@ class PODMonitor(MonitorCallback):
             "skipped": dict(self._skipped),
             "taken": self._taken,
             "errors": list(self._run_errors),
+            "extras": {e.name: self._call_extra(e, "gather_state") for e in self.extras},
         }
         if not is_distributed(trainer):
             return [payload]
@@ -517,6 +549,17 @@ class PODMonitor(MonitorCallback):
         self._run_errors.append(msg)
         self._note_once("short", msg)
 
+    def _compute_extras(self, trainer: Trainer, states: list[dict[str, Any]], reports: dict[str, PODReport]) -> None:
+        """Rank zero: each extra's result from every rank's part (a failing extra is left out)."""
+        self.last_extras = {}
+        context = ExtraContext(step=int(trainer.global_step), stage=self._stage, layer_names=list(self._layer_names),
+                               reports=reports, prefix=self.prefix)
+        for extra in self.extras:
+            parts = [s.get("extras", {}).get(extra.name) for s in states]
+            result = self._call_extra(extra, "compute", parts, context)
+            if result is not None:
+                self.last_extras[extra.name] = result
+
     def _merge_redundancy(self, states: list[dict[str, Any]]) -> dict[str, HeadRedundancy]:
         """Merge every process's head-redundancy sums and compute them (a failing layer is left out
         with a note in the run's errors)."""
@@ -585,6 +628,7 @@ class PODMonitor(MonitorCallback):
             readiness=self.last_readiness,
             stage=self._stage,
             extra_record={"n_requested": self.n_snapshots, "n_taken": self._taken},
+            extras=self.last_extras,
         )
         self.monitored_count += 1
         self._history.append(summary)
@@ -611,6 +655,7 @@ class PODMonitor(MonitorCallback):
             "config": self.config.to_dict(),
             "readiness": self.readiness.state_dict() if self.readiness is not None else None,
             "run_id": self.run_id,
+            "extras": {e.name: e.state_dict() for e in self.extras},
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -623,6 +668,10 @@ class PODMonitor(MonitorCallback):
         self.monitored_count = int(state_dict.get("monitored_count", 0))
         if self.readiness is not None and state_dict.get("readiness"):
             self.readiness.load_state_dict(state_dict["readiness"])
+        for extra in self.extras:
+            part = (state_dict.get("extras") or {}).get(extra.name)
+            if part:
+                extra.load_state_dict(part)
         self._resumed_from = {"run_id": state_dict.get("run_id")}
 
     def _load_handoff(self, state: dict[str, Any]) -> None:

@@ -86,7 +86,8 @@ class Publisher:
                 head_redundancy: Mapping[str, Any] | None = None,
                 readiness: Mapping[str, Any] | None = None, stage: str = "fit",
                 extra_record: Mapping[str, Any] | None = None,
-                extra_scalars: Mapping[str, float] | None = None) -> dict[str, Any]:
+                extra_scalars: Mapping[str, float] | None = None,
+                extras: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """Write everything for one monitored validation run; returns the history entry.
 
         ``head_allocation`` (a :class:`~podmonitor.pruning.HeadAllocationAdvice`), ``head_redundancy``
@@ -94,7 +95,9 @@ class Publisher:
         :meth:`~podmonitor.pruning.AdviceReadiness.update`) come with the per-head analysis; each
         adds its part to the record, the scalars, the text, the pictures and a table
         (:func:`pruning_outputs`). ``extra_record`` adds keys to the JSON-lines record,
-        ``extra_scalars`` scalars to every logger. The failures of single outputs are in the
+        ``extra_scalars`` scalars to every logger; ``extras`` (``{name: ExtraResult}``, see
+        :mod:`podmonitor.extras`) add their scalars, texts, tables, pictures and a record entry
+        under their name. The failures of single outputs are in the
         returned entry's ``output_failures``.
         """
         self.outputs.clear_failures()
@@ -119,6 +122,9 @@ class Publisher:
             record["readiness"] = strict_jsonable(dict(readiness))
         if extra_record:
             record.update(strict_jsonable(dict(extra_record)))
+        extras = dict(extras or {})
+        for name, res in extras.items():
+            record[name] = strict_jsonable(dict(res.record))
         previous = self._seen.get((step, stage))
         if previous is not None:
             record["repeats"] = previous
@@ -154,6 +160,14 @@ class Publisher:
         extra = pruning_outputs(head_allocation, head_redundancy, readiness, prefix=p, images=images)
         scalars.update(extra["scalars"])
         pictures.update(extra["images"])
+        texts: dict[str, str] = {}
+        tables: dict[str, Any] = {}
+        for res in extras.values():
+            scalars.update(res.scalars)
+            texts.update(res.texts)
+            tables.update(res.tables)
+            if images:
+                pictures.update(res.images)
 
         self.outputs.layer_names = list(layer_names)
 
@@ -167,6 +181,10 @@ class Publisher:
                 sink.log_text(f"{p}/head_allocation", extra["text"], step)
             if extra["table"] is not None:
                 sink.log_table(f"{p}/head_allocation_table", *extra["table"], step)
+            for tag, markdown in texts.items():
+                sink.log_text(tag, markdown, step)
+            for tag, (columns, rows) in tables.items():
+                sink.log_table(tag, columns, rows, step)
 
         self.outputs.send(loggers, write)
         entry: dict[str, Any] = {
@@ -177,7 +195,7 @@ class Publisher:
             "errors": list(errors),
             "layers": {name: headline(rep) for name, rep in reports.items()},
         }
-        for key in ("head_allocation", "readiness"):
+        for key in ("head_allocation", "readiness", *extras):
             if key in record:
                 entry[key] = record[key]
         entry["output_failures"] = list(self.outputs.failures)
