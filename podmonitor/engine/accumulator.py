@@ -58,6 +58,16 @@ STATE_VERSION = 2  # version 1 (exact only) states still load
 #: at most this size (bytes), so that an update's temporaries stay bounded whatever the batch.
 SKETCH_FEED_BYTES = 32 * 2**20
 
+#: A snapshot counts as normalised when every row sums to 1 over its keys within
+#: ``max(NORMALISATION_TOL, 4 eps)`` (eps of the input dtype: float16/bfloat16 entries round).
+NORMALISATION_TOL = 1e-3
+
+
+def normalisation_tol(dtype: torch.dtype) -> float:
+    """Tolerance of ``|row sum - 1|`` for input of ``dtype`` (see :data:`NORMALISATION_TOL`)."""
+    eps = torch.finfo(dtype).eps if dtype.is_floating_point else 0.0
+    return max(NORMALISATION_TOL, 4 * eps)
+
 
 class MemoryBudgetError(RuntimeError):
     """An update would make the accumulator's state exceed ``PODConfig.memory_budget_bytes``."""
@@ -90,7 +100,7 @@ def _band_size(seq_len: int, band: int, causal: bool) -> int:
 
 def _fixed_state_bytes(seq_len: int, config: PODConfig, causal: bool) -> int:
     """State that does not grow with N: mean field, lag moments (L, L) and entropy sums (L,)."""
-    itemsize = torch.empty((), dtype=config.dtype).element_size()
+    itemsize = config.dtype.itemsize
     return (2 if causal else 3) * seq_len * seq_len * itemsize + seq_len * itemsize
 
 
@@ -99,28 +109,80 @@ def _streamed_coherency(config: PODConfig) -> bool:
     return config.coherency and config.coherency_scale is not None
 
 
+def exact_eig_bytes(n_snapshots: int, width: int, config: PODConfig) -> int:
+    """Bytes of the eigenproblem of the exact POD at N snapshots of ``width`` entries: the matrix and
+    its eigenvectors, N x N (method of snapshots) or D x D (covariance, when D = width < N)."""
+    k = min(n_snapshots, width)
+    return 2 * k * k * config.dtype.itemsize
+
+
+def sketch_eig_bytes(rank: int, config: PODConfig) -> int:
+    """Bytes of the eigenproblems of a sketch POD: windowed and un-windowed Gram matrices of the
+    2 l rows, their eigenvectors and the compensation (5 (2 l)^2 values)."""
+    return 5 * (2 * rank) ** 2 * config.dtype.itemsize
+
+
+def exact_budgeted_bytes(n_snapshots: int, seq_len: int, config: PODConfig, causal: bool) -> int:
+    """What ``memory_budget_bytes`` bounds in exact mode: the state of N snapshots plus the
+    eigenproblem that ``compute`` will build from them."""
+    p = _band_size(seq_len, band_lags(config, seq_len), causal)
+    state = n_snapshots * p * config.resolved_storage_dtype.itemsize + _fixed_state_bytes(seq_len, config, causal)
+    return state + exact_eig_bytes(n_snapshots, p, config)
+
+
+def sketch_budgeted_bytes(rank: int, seq_len: int, config: PODConfig, causal: bool) -> int:
+    """What ``memory_budget_bytes`` bounds in sketch mode: the sketch (and streamed coherency sums),
+    the O(L^2) state and the sketch's eigenproblems."""
+    p = _band_size(seq_len, band_lags(config, seq_len), causal)
+    coh = 3 * seq_len * seq_len * config.dtype.itemsize if _streamed_coherency(config) else 0
+    sketch = FrequentDirections.state_bytes(p, rank, config.dtype, config.resolved_storage_dtype)
+    return _fixed_state_bytes(seq_len, config, causal) + coh + sketch + sketch_eig_bytes(rank, config)
+
+
 def sketch_rank_for(seq_len: int, config: PODConfig, causal: bool = True, *, auto: bool | None = None) -> int:
     """l, the rows of the sketch for length L under ``config`` (0 when no sketch fits the budget).
 
-    Explicit ``sketch_rank`` wins. Otherwise, with a budget, the rows that fit after the O(L^2)
-    state: all of them (as 2 l) in "sketch" mode, half of them in "auto" mode (so that the exact
-    phase before the switch can use the other half; the switch then needs no approximation);
-    without a budget, ``4 * k_fit``. In "auto" mode a sketch below ``2 * k_fit`` rows is not
-    used (0 is returned: the accumulator refuses instead, as in "exact" mode).
+    Never more than P, the lag-band entries of a field: a sketch of l >= P rows holds the whole
+    scatter (nothing is shrunk away), so more rows would be memory without use. Explicit
+    ``sketch_rank`` wins otherwise. With a budget, the largest l whose sketch, O(L^2) state and
+    eigenproblems (:func:`sketch_budgeted_bytes`) fit: in the whole budget in "sketch" mode, in
+    half of what the budget leaves after the O(L^2) state in "auto" mode (so that the exact phase
+    before the switch can use the other half; the switch then needs no approximation); without a
+    budget, ``4 * k_fit``. In "auto" mode a sketch below ``2 * k_fit`` rows is not used unless it
+    is lossless (l = P): 0 is returned, and the accumulator refuses instead, as in "exact" mode.
     """
     auto = config.mode == "auto" if auto is None else auto
     budget = config.memory_budget_bytes
-    itemsize = torch.empty((), dtype=config.dtype).element_size()
-    s_itemsize = torch.empty((), dtype=config.resolved_storage_dtype).element_size()
     p = _band_size(seq_len, band_lags(config, seq_len), causal)
     if budget is None:
-        return config.sketch_rank or 4 * config.k_fit
-    coh = 3 * seq_len * seq_len * itemsize if _streamed_coherency(config) else 0
-    free_rows = (budget - _fixed_state_bytes(seq_len, config, causal) - coh - 2 * p * itemsize) // (p * s_itemsize)
-    rank = config.sketch_rank or int(free_rows // (4 if auto else 2))
-    if 2 * rank > free_rows or rank < 1 or (auto and config.sketch_rank is None and rank < 2 * config.k_fit):
+        return min(config.sketch_rank or 4 * config.k_fit, p)
+    base = sketch_budgeted_bytes(0, seq_len, config, causal)  # everything but the rows and their Gram
+    free = budget - base
+    if config.sketch_rank is not None:
+        rank = min(config.sketch_rank, p)
+        return rank if sketch_budgeted_bytes(rank, seq_len, config, causal) <= budget else 0
+    share = free // 2 if auto else free
+    # largest l with 2 l P s + 20 l^2 c <= share (a quadratic; then checked exactly)
+    s_item, c_item = config.resolved_storage_dtype.itemsize, config.dtype.itemsize
+    a, b = 20 * c_item, 2 * p * s_item
+    rank = int((-b + math.sqrt(b * b + 4 * a * max(share, 0))) // (2 * a)) if share > 0 else 0
+    rank = min(rank, p)
+    while rank > 0 and sketch_budgeted_bytes(rank, seq_len, config, causal) - base > share:
+        rank -= 1
+    if rank < 1 or (auto and rank < min(2 * config.k_fit, p)):
         return 0
     return rank
+
+
+def auto_exact_limit(seq_len: int, config: PODConfig, causal: bool, rank: int) -> int | None:
+    """In "auto" mode with a budget, the most :func:`exact_budgeted_bytes` may reach before the
+    accumulator switches to a sketch of ``rank`` rows: the budget less the sketch's own parts
+    (its rows, mean and scatter, streamed coherency sums and eigenproblems), which must fit next
+    to the exact snapshots while these are fed into it. None without a budget or a sketch."""
+    budget = config.memory_budget_bytes
+    if budget is None or rank == 0:
+        return budget
+    return budget - (sketch_budgeted_bytes(rank, seq_len, config, causal) - _fixed_state_bytes(seq_len, config, causal))
 
 
 def estimate_memory(seq_len: int, n_snapshots: int, config: PODConfig | None = None,
@@ -137,13 +199,14 @@ def estimate_memory(seq_len: int, n_snapshots: int, config: PODConfig | None = N
 
     Returns:
         dict with "state" (kept between updates: snapshots in lag-band form, or the sketch, plus
-        the O(L^2) moments), "compute_extra" (transient during ``compute``: Gram, one windowed
-        block, modes, coherency sums), "total", and "sketch_rank" (l, 0 in exact mode).
+        the O(L^2) moments), "compute_extra" (transient during ``compute``: the eigenproblem,
+        one windowed block, modes, coherency sums), "total", "budgeted" (what
+        ``PODConfig.memory_budget_bytes`` bounds: the state plus the eigenproblem, the part of
+        ``compute`` that grows with N) and "sketch_rank" (l, 0 in exact mode).
     """
     config = config or PODConfig()
     mode = mode or config.mode
-    itemsize = torch.empty((), dtype=config.dtype).element_size()
-    s_itemsize = torch.empty((), dtype=config.resolved_storage_dtype).element_size()
+    itemsize = config.dtype.itemsize
     band = band_lags(config, seq_len)
     p = _band_size(seq_len, band, causal)
     fixed = _fixed_state_bytes(seq_len, config, causal)
@@ -151,36 +214,41 @@ def estimate_memory(seq_len: int, n_snapshots: int, config: PODConfig | None = N
     from .pod import BLOCK_BYTES
     from .sketch import SKETCH_BLOCK_BYTES
 
-    exact_state = n_snapshots * p * s_itemsize + fixed
+    exact_state = n_snapshots * p * config.resolved_storage_dtype.itemsize + fixed
+    exact_budgeted = exact_budgeted_bytes(n_snapshots, seq_len, config, causal)
     rank = 0
-    if mode == "sketch" or (mode == "auto" and config.memory_budget_bytes is not None
-                            and exact_state > config.memory_budget_bytes):
-        rank = sketch_rank_for(seq_len, config, causal, auto=mode == "auto")
+    if mode == "sketch":
+        rank = sketch_rank_for(seq_len, config, causal, auto=False)
+    elif mode == "auto" and config.memory_budget_bytes is not None:
+        rank = sketch_rank_for(seq_len, config, causal, auto=True)
+        limit = auto_exact_limit(seq_len, config, causal, rank)
+        if limit is not None and exact_budgeted <= limit:
+            rank = 0  # still exact after N snapshots
     if rank == 0 and mode == "sketch":
         raise MemoryBudgetError(_no_sketch_message(seq_len, config, causal))
     if rank == 0:
         block = min(n_snapshots * p * itemsize, BLOCK_BYTES)
-        gram = 2 * n_snapshots * n_snapshots * itemsize  # Gram + eigenvectors
+        eig = exact_eig_bytes(n_snapshots, p, config)  # N x N Gram (or D x D covariance) + eigenvectors
         # coherency: its three sums, the cross vectors and their products, the transform operator
         # and one step of transforms (about 10 L^2 values; above FFT_ABOVE the per-snapshot FFTs
         # of (L, 2L) complex rows take more, about 18 L^2); benchmarks/bench_engine_parts.py
         # --coherency-memory measures it
         per_l2 = 10 if seq_len <= FFT_ABOVE else 18
         coh = per_l2 * seq_len * seq_len * itemsize + 3 * SUB_BYTES if config.coherency else 0
-        extra = 2 * block + gram + modes + coh
+        extra = 2 * block + eig + modes + coh
         return {"state": int(exact_state), "compute_extra": int(extra), "total": int(exact_state + extra),
-                "sketch_rank": 0}
+                "budgeted": int(exact_budgeted), "sketch_rank": 0}
     coh_state = 3 * seq_len * seq_len * itemsize if _streamed_coherency(config) else 0
     state = fixed + coh_state + FrequentDirections.state_bytes(p, rank, config.dtype, config.resolved_storage_dtype)
-    m = 2 * rank
-    gram = 5 * m * m * itemsize  # windowed Gram, un-windowed Gram, eigenvectors, compensation
-    extra = gram + SKETCH_BLOCK_BYTES + modes + (seq_len * seq_len * itemsize if coh_state else 0)
-    return {"state": int(state), "compute_extra": int(extra), "total": int(state + extra), "sketch_rank": int(rank)}
+    eig = sketch_eig_bytes(rank, config)  # windowed Gram, un-windowed Gram, eigenvectors, compensation
+    extra = eig + SKETCH_BLOCK_BYTES + modes + (seq_len * seq_len * itemsize if coh_state else 0)
+    return {"state": int(state), "compute_extra": int(extra), "total": int(state + extra),
+            "budgeted": int(sketch_budgeted_bytes(rank, seq_len, config, causal)), "sketch_rank": int(rank)}
 
 
 def _no_sketch_message(seq_len: int, config: PODConfig, causal: bool) -> str:
     p = _band_size(seq_len, band_lags(config, seq_len), causal)
-    s_itemsize = torch.empty((), dtype=config.resolved_storage_dtype).element_size()
+    s_itemsize = config.resolved_storage_dtype.itemsize
     return (
         f"the memory budget of {config.memory_budget_bytes / 2**20:.1f} MiB "
         f"(PODConfig.memory_budget_bytes) cannot hold a useful sketch at L = {seq_len}: the O(L^2) "
@@ -281,6 +349,8 @@ class PODAccumulator:
         self.n_skipped_nonfinite = 0
         self.input_dtypes: set[str] = set()
         self.n_negative = 0
+        self.n_not_normalised = 0  # snapshots with a row that does not sum to 1 over its keys
+        self.max_row_sum_error = 0.0  # the largest |row sum - 1| seen
         self.mean_field: Tensor | None = None  # (L, L)
         self.m2_back: Tensor | None = None  # (L, L) centred backward lag moment
         self.m2_fwd: Tensor | None = None  # (L, L) centred forward lag moment (bidirectional)
@@ -324,14 +394,10 @@ class PODAccumulator:
         self.band = LagBand.build(seq_len, band_lags(self.config, seq_len), causal)
         cfg = self.config
         self._sketch_rank = sketch_rank_for(seq_len, cfg, causal)
-        budget = cfg.memory_budget_bytes
-        self._exact_limit = budget
-        if budget is not None and cfg.mode == "auto" and self._sketch_rank:
+        self._exact_limit = cfg.memory_budget_bytes
+        if cfg.mode == "auto":
             # leave room for the sketch (and streamed coherency) next to the snapshots when switching
-            s_dtype = cfg.resolved_storage_dtype
-            self._exact_limit = budget - FrequentDirections.state_bytes(self.band.size, self._sketch_rank, dt, s_dtype)
-            if _streamed_coherency(cfg):
-                self._exact_limit -= 3 * seq_len * seq_len * torch.empty((), dtype=dt).element_size()
+            self._exact_limit = auto_exact_limit(seq_len, cfg, causal, self._sketch_rank)
         if cfg.mode == "sketch":
             self._start_sketch()
 
@@ -400,8 +466,9 @@ class PODAccumulator:
             ValueError: wrong shape, a length different from earlier batches, or mass above
                 the diagonal of a field declared (or inferred) causal.
             TypeError: non-real input.
-            MemoryBudgetError: the state would exceed ``config.memory_budget_bytes`` (nothing is
-                added then).
+            MemoryBudgetError: the state plus the eigenproblem of ``compute`` would exceed
+                ``config.memory_budget_bytes`` (nothing is added then; after a refused first
+                batch the accumulator is empty, as before it).
 
         Every check runs before anything is added, so bad input leaves the accumulator as it
         was. A failure while adding (e.g. out of memory) leaves it as it was in exact mode; in
@@ -432,43 +499,56 @@ class PODAccumulator:
                 + (" (inferred from the first batch)" if self.config.causal is None else "")
                 + ": pass PODConfig(causal=False) for bidirectional attention"
             )
-        first = self.seq_len is None
-        if first:
-            self._init_state(seq_len, causal, device)
-        assert self.band is not None and self.mean_field is not None and self.m2_back is not None
-        s_dtype = self.config.resolved_storage_dtype
-        budget = self.config.memory_budget_bytes
-        if budget is not None and self.sketch is None:
-            need = self.nbytes() + x.shape[0] * self.band.size * torch.empty((), dtype=s_dtype).element_size()
-            # rank and limit are fixed after _init_state (no per-update recomputation)
-            rank = self._sketch_rank if self.config.mode == "auto" else 0
-            limit = self._exact_limit if self._exact_limit is not None else budget
-            if need > limit and rank:
-                self._start_sketch()
-            elif need > limit:
-                hint = ("; PODConfig(mode='auto') or mode='sketch' keeps a bounded sketch instead"
-                        if self.config.mode == "exact" else
-                        "; " + _no_sketch_message(seq_len, self.config, causal))
-                if first:
-                    self._forget_layout()
-                raise MemoryBudgetError(
-                    f"storing {x.shape[0]} more snapshots (L = {seq_len}, {self.band.size} lag-band "
-                    f"entries each) would bring this accumulator to {need / 2**20:.1f} MiB, over its "
-                    f"budget of {budget / 2**20:.1f} MiB (PODConfig.memory_budget_bytes); "
-                    f"{self.n} snapshots are kept" + hint
-                )
         any_negative = bool(x.amin() < 0)  # one reduction; count per snapshot only when needed
         n_negative = int((x < 0).flatten(1).any(dim=1).sum()) if any_negative else 0
-        try:
-            self._add_batch(x, causal, any_negative)
+        first = self.seq_len is None
+        try:  # a first batch that is not added leaves the accumulator empty (its counters kept)
+            if first:
+                self._init_state(seq_len, causal, device)
+            self._check_budget(x.shape[0])
+            n_unnormalised = self._add_batch(x, causal, any_negative)
         except BaseException:
-            if first and self.n == 0 and self.sketch is None:
+            if first:
                 self._forget_layout()
             raise
         self.n_skipped_nonfinite += n_bad
         self.n_negative += n_negative
+        self.n_not_normalised += n_unnormalised
         self.input_dtypes.add(dtype_name)
         return x.shape[0]
+
+    def _check_budget(self, n_new: int) -> None:
+        """Before ``n_new`` snapshots are added: switch to the sketch ("auto") or refuse, when the
+        state plus the eigenproblem of ``compute`` would exceed the budget.
+
+        Raises:
+            MemoryBudgetError: the budget cannot hold them (nothing has changed then).
+        """
+        cfg = self.config
+        budget = cfg.memory_budget_bytes
+        if budget is None or self.sketch is not None:
+            return
+        assert self.band is not None and self.seq_len is not None and self.causal is not None
+        n_total = self.n + n_new
+        need = exact_budgeted_bytes(n_total, self.seq_len, cfg, self.causal)
+        # rank and limit are fixed after _init_state (no per-update recomputation)
+        rank = self._sketch_rank if cfg.mode == "auto" else 0
+        limit = self._exact_limit if self._exact_limit is not None else budget
+        if need <= limit:
+            return
+        if rank:
+            self._start_sketch()
+            return
+        hint = ("; PODConfig(mode='auto') or mode='sketch' keeps a bounded sketch instead"
+                if cfg.mode == "exact" else "; " + _no_sketch_message(self.seq_len, cfg, self.causal))
+        state = n_total * self.band.size * cfg.resolved_storage_dtype.itemsize
+        raise MemoryBudgetError(
+            f"storing {n_new} more snapshots (L = {self.seq_len}, {self.band.size} lag-band entries each) "
+            f"would bring this accumulator to {need / 2**20:.1f} MiB ({state / 2**20:.1f} MiB of snapshots, "
+            f"{exact_eig_bytes(n_total, self.band.size, cfg) / 2**20:.1f} MiB for the eigenproblem of compute), "
+            f"over its budget of {budget / 2**20:.1f} MiB (PODConfig.memory_budget_bytes); "
+            f"{self.n} snapshots are kept" + hint
+        )
 
     def _forget_layout(self) -> None:
         """Undo ``_init_state`` after a first batch that was not added (the counters are kept)."""
@@ -476,8 +556,12 @@ class PODAccumulator:
         self.reset()
         self.n_skipped_nonfinite, self.input_dtypes = skipped, dtypes
 
-    def _add_batch(self, x: Tensor, causal: bool, any_negative: bool) -> None:
+    def _add_batch(self, x: Tensor, causal: bool, any_negative: bool) -> int:
         """Add (B, L, L) checked fields: moments about the batch mean, entropies, stored band entries.
+
+        Returns:
+            How many of the fields have a row whose sum over its keys is not 1 (see
+            :func:`normalisation_tol`); the largest deviation goes into ``max_row_sum_error``.
 
         Works through the batch a few fields at a time (``SUB_BYTES`` of fields per step) in
         buffers allocated once per call: the input is converted to ``config.dtype`` and moved to
@@ -512,6 +596,8 @@ class PODAccumulator:
             rows_kept = min(n_b, max(step, SKETCH_FEED_BYTES // row_bytes))
         store = torch.empty(rows_kept, self.band.size, dtype=store_dtype, device=dev)
         filled = 0
+        tol = normalisation_tol(x.dtype)
+        n_unnormalised, worst = 0, 0.0
         for start in range(0, n_b, step):
             stop = min(n_b, start + step)
             part = x[start:stop]
@@ -522,6 +608,10 @@ class PODAccumulator:
             if m2b_fwd is not None:
                 shear.add_forward_moment(m2b_fwd)
             h_sum += row_entropy(part, causal, has_negative=any_negative, work=work)[0]
+            # causal fields were checked to be zero above the diagonal: a full row sums its keys j <= i
+            row_error = (part.sum(-1) - 1.0).abs().amax(-1)  # (b,)
+            n_unnormalised += int((row_error > tol).sum())
+            worst = max(worst, float(row_error.max()))
             flat = part.reshape(stop - start, -1)
             rows = index.expand(stop - start, -1)
             if sketch and filled + (stop - start) > rows_kept:
@@ -538,8 +628,10 @@ class PODAccumulator:
         self._combine(n_b, mean_b, shear.finish(m2b_back, backward=True),
                       None if m2b_fwd is None else shear.finish(m2b_fwd, backward=False))
         self.entropy_sum += h_sum
+        self.max_row_sum_error = max(self.max_row_sum_error, worst)
         if not sketch:
             self.chunks.append(store)
+        return n_unnormalised
 
     def _combine(self, n_b: int, mean_b: Tensor, m2b_back: Tensor, m2b_fwd: Tensor | None) -> None:
         """Merge a group of n_b snapshots (mean, centred moments) into the running state."""
@@ -600,11 +692,13 @@ class PODAccumulator:
         else:
             self.chunks.extend(c.to(dev) for c in other.chunks)
             budget = self.config.memory_budget_bytes
-            if self.config.mode == "auto" and budget is not None and self.nbytes() > budget \
-                    and self._sketch_rank:
+            if self.config.mode == "auto" and budget is not None and self._sketch_rank \
+                    and exact_budgeted_bytes(self.n, self.seq_len, self.config, self.causal) > budget:
                 self._start_sketch()
         self.n_skipped_nonfinite += other.n_skipped_nonfinite
         self.n_negative += other.n_negative
+        self.n_not_normalised += other.n_not_normalised
+        self.max_row_sum_error = max(self.max_row_sum_error, other.max_row_sum_error)
         self.input_dtypes |= other.input_dtypes
         return self
 
@@ -619,6 +713,8 @@ class PODAccumulator:
             "n": self.n,
             "n_skipped_nonfinite": self.n_skipped_nonfinite,
             "n_negative": self.n_negative,
+            "n_not_normalised": self.n_not_normalised,
+            "max_row_sum_error": self.max_row_sum_error,
             "input_dtypes": sorted(self.input_dtypes),
             "mean_field": self.mean_field,
             "m2_back": self.m2_back,
@@ -650,6 +746,8 @@ class PODAccumulator:
         self.n = int(state["n"])
         self.n_skipped_nonfinite = int(state["n_skipped_nonfinite"])
         self.n_negative = int(state.get("n_negative", 0))
+        self.n_not_normalised = int(state.get("n_not_normalised", 0))  # absent before they were kept
+        self.max_row_sum_error = float(state.get("max_row_sum_error", 0.0))
         self.input_dtypes = set(state.get("input_dtypes", []))
         self.mean_field = state["mean_field"].to(self.device, self.config.dtype).clone()
         self.m2_back = state["m2_back"].to(self.device, self.config.dtype).clone()
@@ -687,6 +785,8 @@ class PODAccumulator:
                 f"{self.n_negative} snapshot(s) have negative entries: not probabilities "
                 "(the entropy ignores negative entries)"
             )
+        if self.n_not_normalised:
+            messages.append(self._normalisation_message())
         if self.seq_len is None:
             return self._empty_report(messages)
         assert self.mean_field is not None and self.m2_back is not None and self.band is not None
@@ -737,11 +837,17 @@ class PODAccumulator:
             if per_scale and per_scale[0].status != "ok":
                 status = per_scale[0].status
                 messages.append(f"top dominant scale: {per_scale[0].status}")
+        if status == "ok" and self.n_not_normalised:
+            status = "not_normalised"
         sketch_info = None
         if self.sketch is not None:
             sk = self.sketch
             sketch_info = {"rank": sk.rank, "rows": sk.n_rows, "delta_total": sk.delta_total,
                            "n_shrinks": sk.n_shrinks, "state_bytes": self.nbytes()}
+            if cfg.sketch_rank is not None and sk.rank < cfg.sketch_rank:
+                messages.append(f"sketch rank l = {sk.rank} instead of PODConfig.sketch_rank = {cfg.sketch_rank}: "
+                                f"a field has only {self.band.size} stored entries, and a sketch of that many "
+                                "rows is already lossless")
             head = per_scale[0] if per_scale else None
             messages.append(
                 f"sketch mode (Frequent Directions, l = {sk.rank} rows, {sk.n_shrinks} shrinks): eigenvalues "
@@ -801,6 +907,17 @@ class PODAccumulator:
             analysis_seconds=time.perf_counter() - t0,
             mode=self.mode,
             sketch=sketch_info,
+            n_not_normalised=self.n_not_normalised,
+            max_row_sum_error=self.max_row_sum_error,
+        )
+
+    def _normalisation_message(self) -> str:
+        keys = "j <= i" if self.causal or self.causal is None else "all j"
+        return (
+            f"{self.n_not_normalised} of {self.n} snapshot(s) have rows that do not sum to 1 over their keys "
+            f"({keys}; largest |row sum - 1| = {self.max_row_sum_error:.3g}): not attention probabilities "
+            "(raw scores, or heads summed instead of averaged?); the entropy and attention distance are "
+            "not meaningful, the POD is of the fields as given"
         )
 
     def _rounding_floor(self, mean_energy: Tensor) -> float:

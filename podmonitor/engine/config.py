@@ -49,10 +49,15 @@ class PODConfig:
         dtype: accumulation and analysis dtype (float64 default; float32 halves memory and
             time at ~1e-6 relative accuracy).
         storage_dtype: dtype of the stored snapshots (None: same as ``dtype``).
-        memory_budget_bytes: bytes the accumulator's state may hold (one layer); None = no limit.
+        memory_budget_bytes: bytes one layer's accumulator may use for its state plus the
+            eigenproblem that ``compute`` will build from it (the N x N Gram matrix, or the D x D
+            covariance when a filtered field has D < N entries, and the sketch's Gram matrices);
+            None = no limit. ``estimate_memory(...)["budgeted"]`` is what it is compared with.
             In "exact" mode an update that would exceed it is refused with
-            :class:`MemoryBudgetError`; in "auto" mode the accumulator switches to the sketch
-            instead (see ``mode``).
+            :class:`MemoryBudgetError` (the first update included: the accumulator stays as it
+            was); in "auto" mode the accumulator switches to the sketch instead (see ``mode``).
+            Compute's other temporaries do not grow with N and are bounded (one block of at most
+            64 MiB, the modes, the coherency map): ``estimate_memory(...)["compute_extra"]``.
         mode: "exact" keeps every snapshot (exact POD, memory grows with N); "sketch" keeps a
             Frequent Directions sketch of ``sketch_rank`` rows from the first snapshot (memory
             bounded, eigenvalues within a reported error bound); "auto" (default) is exact while
@@ -63,6 +68,7 @@ class PODConfig:
         sketch_rank: l, the rows the sketch keeps (it holds up to 2 l); None = the largest that
             fits in ``memory_budget_bytes`` (half of what the budget leaves after the O(L^2)
             state, in auto mode; all of it in sketch mode), or ``4 * k_fit`` without a budget.
+            Never more than P, the entries a field stores: a sketch of P rows is lossless.
         sketch_resolve_factor: an eigenvalue estimate counts as resolved when it is at least this
             many times the sketch's error bound (so its relative error is at most the inverse);
             T_spec is fitted on resolved eigenvalues only and H*(eps) beyond the resolved rank is

@@ -7,6 +7,11 @@ error of reconstructing the ensemble from its first K modes is ``sum_{k > K} lam
 
 Snapshots are held as a list of chunks in lag-band form (see :class:`~podmonitor.engine.lags.LagBand`);
 the Gram matrix is assembled block by block, so no N x P copy of the ensemble is ever made.
+
+When a filtered snapshot has fewer entries than there are snapshots (D < N, e.g. short fields or
+narrow windows), the same POD comes from the D x D covariance ``U^T U / N`` instead: it has the
+same non-zero eigenvalues (``U U^T`` and ``U^T U`` share them), its eigenvectors are the modes, and
+it costs O(N D^2) time and O(D^2) memory instead of O(N^2 D) and O(N^2).
 """
 
 from __future__ import annotations
@@ -26,15 +31,17 @@ class PODResult:
     """Eigen-decomposition of one snapshot ensemble.
 
     Attributes:
-        eigenvalues: (N,) descending, non-negative.
-        vectors: (N, N) eigenvectors v_k of C as columns, same order.
+        eigenvalues: (N,) descending, non-negative (from the D x D covariance when D < N: its D
+            eigenvalues, then N - D zeros).
+        vectors: (N, N) eigenvectors v_k of C as columns, same order; None when the POD was
+            computed from the covariance (then ``v_k = a_k / sqrt(N lambda_k)``).
         modes: (K, P) unit-norm spatial modes phi_k (K = the modes asked for, among those with
             lambda_k > floor * lambda_1).
         coefficients: (N, K) temporal coefficients ``a_k(s) = <u_s, phi_k> = sqrt(N lambda_k) v_k(s)``.
     """
 
     eigenvalues: Tensor
-    vectors: Tensor
+    vectors: Tensor | None
     modes: Tensor
     coefficients: Tensor
 
@@ -83,7 +90,7 @@ def iter_prepared_blocks(chunks: Sequence[Tensor], center: Tensor | None, weight
                          dtype: torch.dtype) -> Iterator[tuple[int, Tensor]]:
     """Yield (first snapshot index, (b, P') block of centred, windowed snapshots)."""
     width = weights.numel() if weights is not None else chunks[0].shape[1]
-    bytes_per_row = max(1, width * torch.empty((), dtype=dtype).element_size())
+    bytes_per_row = max(1, width * dtype.itemsize)
     block_rows = max(1, BLOCK_BYTES // bytes_per_row)
     first = 0
     for pieces in _row_blocks(chunks, block_rows):
@@ -109,7 +116,7 @@ def weighted_gram(chunks: Sequence[Tensor], center: Tensor | None, weights: Tens
     device = chunks[0].device
     gram = torch.zeros(n_total, n_total, dtype=dtype, device=device)
     width = weights.numel() if weights is not None else chunks[0].shape[1]
-    bytes_per_row = max(1, width * torch.empty((), dtype=dtype).element_size())
+    bytes_per_row = max(1, width * dtype.itemsize)
     block_rows = max(1, BLOCK_BYTES // bytes_per_row)
     blocks = _row_blocks(chunks, block_rows)
     starts = [0]
@@ -153,7 +160,9 @@ def snapshot_pod(chunks: Sequence[Tensor], *, center: Tensor | None = None,
     """
     n_total = sum(int(c.shape[0]) for c in chunks)
     width = weights.numel() if weights is not None else chunks[0].shape[1]
-    single = n_total * width * torch.empty((), dtype=dtype).element_size() <= BLOCK_BYTES
+    single = n_total * width * dtype.itemsize <= BLOCK_BYTES
+    if width < n_total:
+        return covariance_pod(chunks, center=center, weights=weights, n_modes=n_modes, floor=floor, dtype=dtype)
     if single:  # one centred, windowed block serves both the Gram matrix and the modes
         y_all = _prepared(chunks, [(c, 0, int(ch.shape[0])) for c, ch in enumerate(chunks)], center, weights, dtype)
         gram = y_all @ y_all.T
@@ -175,6 +184,45 @@ def snapshot_pod(chunks: Sequence[Tensor], *, center: Tensor | None = None,
     else:
         coefficients = torch.zeros(n_total, 0, dtype=dtype, device=gram.device)
     return PODResult(evals, evecs, modes, coefficients)
+
+
+def covariance_pod(chunks: Sequence[Tensor], *, center: Tensor | None = None, weights: Tensor | None = None,
+                   n_modes: int = 8, floor: float = 1e-12, dtype: torch.dtype = torch.float64) -> PODResult:
+    """The POD of :func:`snapshot_pod` from the D x D covariance ``U^T U / N`` (for D < N).
+
+    ``U U^T`` and ``U^T U`` have the same non-zero eigenvalues; the unit eigenvectors of the
+    covariance are the modes ``phi_k`` and the coefficients are the projections ``a_k = U phi_k``.
+
+    Args:
+        chunks, center, weights, n_modes, floor, dtype: as for :func:`snapshot_pod`.
+
+    Returns:
+        :class:`PODResult` with N eigenvalues (the D of the covariance, then N - D zeros) and no
+        snapshot-space eigenvectors (``vectors`` None).
+    """
+    n_total = sum(int(c.shape[0]) for c in chunks)
+    width = weights.numel() if weights is not None else chunks[0].shape[1]
+    device = chunks[0].device
+    single = n_total * width * dtype.itemsize <= BLOCK_BYTES
+    if single:
+        y_all = _prepared(chunks, [(c, 0, int(ch.shape[0])) for c, ch in enumerate(chunks)], center, weights, dtype)
+        cov = y_all.T @ y_all
+    else:
+        cov = torch.zeros(width, width, dtype=dtype, device=device)
+        for _, y in iter_prepared_blocks(chunks, center, weights, dtype):
+            cov.addmm_(y.T, y)
+    evals, evecs = pod_from_gram(cov, n_total)  # (D,), (D, D)
+    lam1 = float(evals[0]) if evals.numel() else 0.0
+    k = int(((evals > floor * lam1) & (evals > 0)).sum()) if lam1 > 0 else 0
+    k = min(k, n_modes)
+    modes = evecs[:, :k].T.contiguous()  # (K, D), unit norm
+    coefficients = torch.zeros(n_total, k, dtype=dtype, device=device)
+    if k > 0:
+        blocks = [(0, y_all)] if single else iter_prepared_blocks(chunks, center, weights, dtype)
+        for first, y in blocks:
+            coefficients[first:first + y.shape[0]] = y @ evecs[:, :k]
+    eigenvalues = torch.cat([evals, evals.new_zeros(max(0, n_total - width))])
+    return PODResult(eigenvalues, None, modes, coefficients)
 
 
 def mode_lag_profiles(modes: Tensor, lags: Tensor, causal: bool) -> tuple[Tensor, Tensor]:

@@ -17,6 +17,7 @@ STATUSES = {
     "zero_variance": "all snapshots are identical: the fluctuation is zero",
     "degenerate": "fewer than 3 eigenvalues above the floor: no power-law fit",
     "flat": "flat spectrum (beta <= 0): T_spec is infinite",
+    "not_normalised": "rows of some snapshots do not sum to 1: not attention probabilities",
 }
 
 
@@ -176,6 +177,11 @@ class PODReport:
             (the Frequent Directions shrinkage Delta, in squared-norm units of the centred
             un-windowed snapshots), ``n_shrinks``, ``state_bytes``; None in exact mode.
         error_bound, resolved_rank, beyond_resolved: headline values (top dominant scale).
+        n_not_normalised: snapshots with a row whose sum over its keys (j <= i for causal fields)
+            is not 1 within tolerance; when non-zero, a report that is otherwise "ok" has the
+            status "not_normalised" (its numbers are computed, but are not those of attention
+            probabilities).
+        max_row_sum_error: the largest ``|row sum - 1|`` over every row of every snapshot.
     """
 
     status: str
@@ -202,6 +208,8 @@ class PODReport:
     analysis_seconds: float = math.nan
     mode: str = "exact"
     sketch: dict[str, Any] | None = None
+    n_not_normalised: int = 0
+    max_row_sum_error: float = 0.0
 
     @property
     def headline(self) -> ScaleReport | None:
@@ -256,6 +264,8 @@ class PODReport:
             "analysis_seconds": self.analysis_seconds,
             "n_snapshots": self.n_snapshots,
             "n_skipped_nonfinite": self.n_skipped_nonfinite,
+            "n_not_normalised": self.n_not_normalised,
+            "max_row_sum_error": self.max_row_sum_error,
             "seq_len": self.seq_len,
             "causal": self.causal,
             "scales": self.scales,

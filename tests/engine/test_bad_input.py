@@ -137,3 +137,67 @@ def test_config_validation(kwargs, match):
 def test_config_dict_round_trip():
     cfg = PODConfig(window="band", dtype=torch.float32, storage_dtype=torch.float16, eps=(0.2,))
     assert PODConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def _causal_logits(n: int, seq_len: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.ones(seq_len, seq_len, dtype=torch.bool).tril()
+    return (torch.randn(n, seq_len, seq_len, generator=g, dtype=torch.float64) * 4).masked_fill(~mask, 0.0)
+
+
+def test_raw_scores_are_flagged_not_normalised():
+    # a capture function that returns pre-softmax scores (zero above the diagonal, so still causal)
+    scores = _causal_logits(12, 32, seed=1)
+    report = analyze(scores)
+    assert report.status == "not_normalised"
+    assert report.n_not_normalised == 12
+    assert report.max_row_sum_error > 1
+    assert any("do not sum to 1" in m and "12 of 12" in m for m in report.messages)
+    assert report.to_dict()["n_not_normalised"] == 12
+
+
+def test_heads_summed_instead_of_averaged_are_flagged_and_averaged_heads_are_ok():
+    heads = torch.stack([random_causal_fields(10, 32, seed=s) for s in range(4)], dim=1)  # (N, H, L, L)
+    summed = analyze(heads.sum(1))
+    assert summed.status == "not_normalised" and summed.n_not_normalised == 10
+    assert math.isclose(summed.max_row_sum_error, 3.0, rel_tol=1e-12)  # every row sums to H = 4
+    averaged = analyze(heads.mean(1))
+    assert averaged.status == "ok" and averaged.n_not_normalised == 0
+    assert not any("do not sum to 1" in m for m in averaged.messages)
+
+
+def test_only_the_snapshots_that_are_off_are_counted_and_the_count_survives_merge_and_checkpoint():
+    fields = random_causal_fields(10, 24, seed=2)
+    fields[3] *= 1.5
+    fields[7, 5] *= 0.5  # one row of one snapshot
+    acc = PODAccumulator()
+    acc.update(fields[:5])
+    other = PODAccumulator()
+    other.update(fields[5:])
+    restored = PODAccumulator()
+    restored.load_state_dict(other.state_dict())
+    acc.merge(restored)
+    report = acc.compute()
+    assert report.n_not_normalised == 2 and report.status == "not_normalised"
+    assert math.isclose(report.max_row_sum_error, 0.5, rel_tol=1e-12)
+    # states saved before the count existed load with a count of zero
+    state = other.state_dict()
+    del state["n_not_normalised"], state["max_row_sum_error"]
+    old = PODAccumulator()
+    old.load_state_dict(state)
+    assert old.n_not_normalised == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_rounded_probabilities_are_not_flagged(dtype):
+    # softmax output stored in half precision: every row sums to 1 up to the rounding of its entries
+    fields = random_causal_fields(8, 64, seed=3).to(dtype)
+    assert analyze(fields).status == "ok"
+
+
+def test_bidirectional_rows_are_checked_over_all_keys():
+    g = torch.Generator().manual_seed(4)
+    fields = torch.softmax(torch.randn(8, 16, 16, generator=g, dtype=torch.float64), dim=-1)
+    assert analyze(fields).status == "ok"
+    report = analyze(fields * 2)
+    assert report.status == "not_normalised" and "all j" in " ".join(report.messages)

@@ -117,3 +117,28 @@ def test_lag_window_weights_applied_per_entry_lag():
     u = ((fields.numpy() - fields.numpy().mean(0)) * w).reshape(n, -1)
     s = np.linalg.svd(u, compute_uv=False)
     np.testing.assert_allclose(sc.eigenvalues[:n].numpy(), s**2 / n, rtol=1e-9, atol=1e-14)
+
+
+def test_pod_of_short_fields_from_the_covariance_against_numpy_eigh():
+    # L = 10: 55 stored entries per snapshot, N = 150 snapshots: the POD is taken on the D x D
+    # covariance. Reference: numpy's eigh of the literal covariance U^T U / N of the literal
+    # filtered fluctuations (L^2 = 100 entries each, the 45 above the diagonal zero).
+    fields = random_causal_fields(150, 10, seed=9, temperature=0.4)
+    report = analyze(fields, PODConfig(n_modes=6, n_dominant=2, coherency=False))
+    assert report.status == "ok"
+    for sc in report.per_scale:
+        u = literal_filtered_fluctuation(fields.numpy(), sc.scale)  # (N, 100)
+        n = u.shape[0]
+        evals, evecs = np.linalg.eigh(u.T @ u / n)
+        evals, evecs = evals[::-1], evecs[:, ::-1]
+        lam = sc.eigenvalues.numpy()
+        assert lam.shape == (n,)
+        d = 55  # L (L + 1) / 2 entries carry the window at every scale of L = 10
+        np.testing.assert_allclose(lam[:d], evals[:d], rtol=1e-10, atol=1e-13 * evals[0])
+        assert np.all(lam[d:] == 0)
+        modes = sc.modes.reshape(sc.modes.shape[0], -1).numpy()  # (K, 100)
+        np.testing.assert_allclose(np.abs(modes @ evecs[:, :6]), np.eye(6), atol=1e-8)  # same modes, up to sign
+        np.testing.assert_allclose(sc.coefficients.numpy(), u @ modes.T, rtol=1e-9, atol=1e-13)
+        for k in (1, 3, 6):  # POD optimality identity
+            err = ((u - sc.coefficients.numpy()[:, :k] @ modes[:k]) ** 2).sum() / n
+            assert abs(err - lam[k:].sum()) <= 1e-9 * lam.sum()

@@ -325,7 +325,9 @@ def test_accumulator_merge_in_sketch_mode(fields):
 def test_auto_mode_is_exact_within_the_budget_then_sketches(fields):
     cfg0 = PODConfig(n_dominant=2, coherency=False, k_fit=3)  # auto needs l >= 2 k_fit = 6
     per_row = estimate_memory(48, 1, cfg0, mode="exact")["state"] - estimate_memory(48, 0, cfg0, mode="exact")["state"]
-    budget = estimate_memory(48, 0, cfg0, mode="exact")["state"] + 2 * 1176 * 8 + 40 * per_row
+    # the O(L^2) state, the sketch's mean and scatter (2 P), 40 rows, and twice the eigenproblems
+    # of a sketch of l = 10 (5 (2 l)^2 values: auto mode gives the sketch half of what is left)
+    budget = estimate_memory(48, 0, cfg0, mode="exact")["state"] + 2 * 1176 * 8 + 40 * per_row + 2 * 5 * 20**2 * 8
     cfg = PODConfig(n_dominant=2, coherency=False, k_fit=3, memory_budget_bytes=budget)
     rank = sketch_rank_for(48, cfg)
     assert rank == 10  # a quarter of the 40 rows left after the O(L^2) state and the sketch's 2 P
@@ -353,7 +355,7 @@ def test_auto_mode_computes_the_sketch_rank_once(fields, monkeypatch):
 
     cfg0 = PODConfig(n_dominant=2, coherency=False, k_fit=3)
     per_row = estimate_memory(48, 1, cfg0, mode="exact")["state"] - estimate_memory(48, 0, cfg0, mode="exact")["state"]
-    budget = estimate_memory(48, 0, cfg0, mode="exact")["state"] + 2 * 1176 * 8 + 40 * per_row
+    budget = estimate_memory(48, 0, cfg0, mode="exact")["state"] + 2 * 1176 * 8 + 40 * per_row + 2 * 5 * 20**2 * 8
     cfg = PODConfig(n_dominant=2, coherency=False, k_fit=3, memory_budget_bytes=budget)
     calls = []
     real = accumulator.sketch_rank_for
@@ -388,7 +390,7 @@ def test_auto_mode_computes_the_sketch_rank_once(fields, monkeypatch):
 
 
 def test_exact_mode_refuses_with_a_message_naming_the_budget(fields):
-    budget = estimate_memory(48, 10, PODConfig(mode="exact"))["state"]
+    budget = estimate_memory(48, 10, PODConfig(mode="exact"))["budgeted"]  # the state and the 10 x 10 eigenproblem
     acc = PODAccumulator(PODConfig(mode="exact", memory_budget_bytes=budget))
     acc.update(fields[:10])
     with pytest.raises(MemoryBudgetError, match=r"budget of [0-9.]+ MiB.*mode='auto'"):
