@@ -18,7 +18,12 @@ It prints:
    ``compute`` without the coherency map (best of ``--repeats``); the difference is the
    coherency's share;
 4. the time of ``analyze`` on all layers, best of ``--repeats`` runs in one process (warm);
-5. with ``--coherency-memory``: the peak-RSS growth of computing the coherency map at
+5. with ``--digest``: the numbers, for comparing two engines (``--root``) digit for digit: per
+   layer the dominant scales, T_spec (all digits) and SHA-256 digests of the eigenvalues, scalogram
+   and coherency bytes, under the default configuration and several others (no coherency, batched
+   updates, a checkpoint round trip, a merge, sketch and auto modes under a budget, the band
+   window, float32, bidirectional fields); and at L = 1024 the digest of the lag moments of an update;
+6. with ``--coherency-memory``: the peak-RSS growth of computing the coherency map at
    L = 256 to 2048, three fresh processes each, in units of L^2 values (``estimate_memory`` counts
    10 L^2 values plus 12 MiB; the growth varies with the allocator's reuse of freed memory).
 
@@ -106,6 +111,63 @@ def coherency_memory(seq_len: int) -> None:
     print(f"  L = {seq_len:5d}: peak RSS grew {grown:7.1f} MiB = {grown / unit:4.1f} L^2 values")
 
 
+def _sha(t) -> str:
+    import hashlib
+
+    import torch
+
+    if t is None:
+        return "none"
+    return hashlib.sha256(t.detach().to(torch.float64).contiguous().cpu().numpy().tobytes()).hexdigest()[:16]
+
+
+def digest(layers, seq_len: int) -> None:
+    """Print the numbers of several configurations, for a digit-for-digit comparison of two engines."""
+    import torch
+
+    from podmonitor import PODAccumulator, PODConfig, analyze
+    from podmonitor.synthetic import layered_ensemble
+
+    def line(label: str, report) -> None:
+        eig = torch.cat([sc.eigenvalues.double() for sc in report.per_scale]) if report.per_scale else None
+        print(f"  {label:<22} {report.status:<15} scales {[round(a, 4) for a in report.dominant_scales]} "
+              f"T_spec {report.t_spec!r} lam1 {float(eig[0]) if eig is not None else None!r} eig {_sha(eig)} "
+              f"scalogram {_sha(report.scalogram)} coherency {_sha(report.coherency)}")
+
+    print("\ndigest (identical lines = identical numbers)")
+    for k, fields in enumerate(layers):
+        line(f"layer {k} default", analyze(fields))
+    f0 = layers[0]
+    n = f0.shape[0]
+    line("layer 0 no coherency", analyze(f0, PODConfig(coherency=False)))
+    acc = PODAccumulator(PODConfig())
+    for lo in range(0, n, 25):
+        acc.update(f0[lo:lo + 25])
+    line("layer 0 batches of 25", acc.compute())
+    restored = PODAccumulator(PODConfig())
+    restored.load_state_dict(acc.state_dict())
+    line("layer 0 checkpoint", restored.compute())
+    a, b = PODAccumulator(PODConfig()), PODAccumulator(PODConfig())
+    a.update(f0[: n // 2])
+    b.update(f0[n // 2:])
+    line("layer 0 merge", a.merge(b).compute())
+    line("layer 0 sketch l=24", analyze(f0, PODConfig(mode="sketch", sketch_rank=24, coherency_scale=4.0)))
+    budget = int(0.6 * n * seq_len * (seq_len + 1) / 2 * 8) + 4 * seq_len * seq_len * 8
+    auto = PODAccumulator(PODConfig(memory_budget_bytes=budget, coherency=False, k_fit=8))
+    for lo in range(0, n, 25):
+        auto.update(f0[lo:lo + 25])
+    line(f"layer 0 auto ({auto.mode})", auto.compute())
+    line("layer 0 band window", analyze(f0, PODConfig(window="band", coherency=False)))
+    line("layer 0 float32", analyze(f0, PODConfig(dtype=torch.float32)))
+    bidir = f0 + f0.transpose(1, 2)
+    bidir = bidir / bidir.sum(-1, keepdim=True)  # rows sum to 1 over all keys
+    line("layer 0 bidirectional", analyze(bidir, PODConfig(causal=False)))
+    big = layered_ensemble(1, 8, 1024, seed=1)[0].to(torch.float64)
+    acc = PODAccumulator(PODConfig(coherency=False))
+    acc.update(big)
+    print(f"  {'L = 1024 update':<22} lag moment {_sha(acc.m2_back)} mean field {_sha(acc.mean_field)}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=2)
@@ -115,6 +177,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--root", type=Path, default=REPO, help="the podmonitor tree to time (default: this one)")
     ap.add_argument("--coherency-memory", action="store_true")
+    ap.add_argument("--digest", action="store_true", help="print the numbers of several configurations")
+    ap.add_argument("--digest-only", action="store_true", help="only the digest (no timings)")
     ap.add_argument("--child-memory", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     sys.path.insert(0, str(args.root.resolve()))
@@ -131,6 +195,11 @@ def main() -> int:
     from podmonitor.synthetic import layered_ensemble
 
     print(f"podmonitor from {Path(podmonitor.__file__).parent}")
+    if args.digest_only:
+        torch.set_num_threads(args.threads)
+        digest([torch.from_numpy(np.ascontiguousarray(t.numpy(), dtype=np.float64))
+                for t in layered_ensemble(args.layers, args.n, args.seq_len, seed=0)], args.seq_len)
+        return 0
     print(f"float64 matrix product: {matmul_rate(1):.1f} GFlop/s on 1 thread, "
           f"{matmul_rate(args.threads):.1f} GFlop/s on {args.threads}")
     torch.set_num_threads(args.threads)
@@ -158,6 +227,9 @@ def main() -> int:
 
     total = best_of(args.repeats, lambda: [analyze(f) for f in layers])
     print(f"\nanalyze on all {args.layers} layers, best of {args.repeats} in one process: {total:.3f} s")
+
+    if args.digest:
+        digest(layers, args.seq_len)
 
     if args.coherency_memory:
         print("\ncoherency map, peak-RSS growth (three fresh processes each):")
