@@ -162,6 +162,7 @@ class PODMonitor(MonitorCallback):
         self.dataloader_idx = dataloader_idx
         self.extras = extras
         self.last_extras: dict[str, ExtraResult] = {}
+        self.last_stability: dict[str, dict[str, float]] = {}  # {layer: {metric key: value}}
 
         self._init_shell()  # history (one summary per monitored validation run), run dir
         self.run_id = uuid.uuid4().hex[:12]  # the same on every rank (the object is copied to them)
@@ -627,19 +628,30 @@ class PODMonitor(MonitorCallback):
             head_redundancy=self.last_redundancy if self.per_head else None,
             readiness=self.last_readiness,
             stage=self._stage,
+            stability=self.last_stability,
             extra_record={"n_requested": self.n_snapshots, "n_taken": self._taken},
             extras=self.last_extras,
         )
         self.monitored_count += 1
         self._history.append(summary)
 
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # the last monitored run of a fit always gets its pictures (rank zero; no collective)
+        if self._publisher is not None and self.log_images:
+            try:
+                self._publisher.publish_last_pictures()
+            except Exception as err:  # noqa: BLE001
+                self._warn_or_raise(f"PODMonitor: drawing the last run's pictures failed: {err}", err)
+
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self._stop_capture()
+        if self._publisher is not None:
+            self._publisher.flush()  # what was measured reaches the outputs before the run dies
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._stop_capture()
         if self._publisher is not None:
-            self._publisher.close()
+            self._publisher.close()  # waits for the outputs still queued in the background
             self._publisher = None
         self._hand_over(trainer)
 

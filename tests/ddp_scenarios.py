@@ -94,13 +94,12 @@ def records(tmp: str, name: str) -> list[dict[str, Any]]:
 
 
 def tensorboard_tags(tmp: str) -> list[str]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    """Every scalar tag under ``<tmp>/tb`` (per-layer runs included, without the layer)."""
+    from tests.tb_events import scalar_series
 
     tags: set[str] = set()
     for p in glob.glob(os.path.join(tmp, "tb", "**", "events.out.tfevents.*"), recursive=True):
-        acc = EventAccumulator(p, size_guidance={"scalars": 0})
-        acc.Reload()
-        tags.update(acc.Tags()["scalars"])
+        tags.update(scalar_series(p))
     return sorted(tags)
 
 

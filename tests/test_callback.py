@@ -13,6 +13,7 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 from podmonitor import PODConfig, PODMonitor, PODMonitorWarning, analyze
 from tests.callback_models import TinyGPT
+from tests.tb_events import scalar_series
 
 FAST = PODConfig(n_dominant=2)
 
@@ -52,19 +53,23 @@ def test_tensorboard_event_files_hold_scalars_and_images_at_validation_steps(tmp
     acc = EventAccumulator(logger.log_dir, size_guidance={"images": 0, "scalars": 0})
     acc.Reload()
     tags = acc.Tags()
-    for layer in ("layer_00", "layer_01"):
-        for metric in ("t_spec", "beta", "r2", "h_eps_0.10", "top_scale", "n_snapshots"):
-            events = acc.Scalars(f"pod/{metric}/{layer}")
-            assert [e.step for e in events] == expected_steps, (metric, layer)
-        n = acc.Scalars(f"pod/n_snapshots/{layer}")
-        assert [e.value for e in n] == [24.0, 24.0]
+    layer_series = {}
+    for layer in ("layer_00", "layer_01"):  # each layer is a TensorBoard run of its own
+        series = scalar_series(os.path.join(logger.log_dir, "podmonitor_layers", layer))
+        layer_series[layer] = series
+        for tag in ("pod/headline/t_spec", "pod/fit/r2", "pod/headline/effective_rank_90pct",
+                    "pod/headline/top_scale", "pod/cost/analysis_seconds"):
+            assert [step for step, _ in series[tag]] == expected_steps, (tag, layer)
+        # a constant health counter is logged once (when it changes), not at every run
+        assert series["pod/health/n_snapshots"] == [(expected_steps[0], 24.0)]
+        assert "pod/health/n_skipped_nonfinite" not in series  # 0: not logged
     # the logged T_spec is the engine's value on the same snapshots (independent recomputation)
     fields = []
     model.eval()
     for x, y in list(model.val_dataloader())[:3]:
         fields.append(torch.stack(model.attention_maps((x, y))).mean(2))  # (layers, B, T, T)
     ref = analyze(torch.cat(fields, dim=1)[0], FAST)
-    logged = acc.Scalars("pod/t_spec/layer_00")[-1].value
+    logged = layer_series["layer_00"]["pod/headline/t_spec"][-1][1]
     assert logged == pytest.approx(ref.t_spec, rel=1e-5)
     image_tags = set(tags["images"])
     for name in ("pod/scale_organisation", "pod/scalogram/layer_00", "pod/mean_scalogram/layer_01",
@@ -90,7 +95,7 @@ def test_no_logger_writes_png_and_jsonl(tmp_path):
     assert any("scale_organisation" in p.name for p in pngs)
     assert len(pngs) >= 1 + 2 * 4
     csv = (tmp_path / "pm" / "images" / "scalars.csv").read_text()
-    assert "pod/t_spec/layer_00" in csv
+    assert "pod/headline/t_spec/layer_00" in csv
 
 
 def test_csv_logger_falls_back_to_png(tmp_path):

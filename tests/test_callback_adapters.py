@@ -155,13 +155,21 @@ def test_wandb_offline_run_contains_scalars_and_images(tmp_path, monkeypatch):
     # the W&B service writes the offline file asynchronously: wait for the rows to land
     for _ in range(50):
         rows, metrics = _wandb_history(run_dir)
-        scal = [r for r in rows if "pod/t_spec/layer_00" in r]
-        if scal:
+        scal = [r for r in rows if "pod/headline/t_spec/layer_00" in r]
+        if scal and any("pod/summary/_type" in r for r in rows):
             break
         time.sleep(0.2)
     assert len(scal) == 1 and scal[0]["pod/step"] == 8  # logged at the trainer's global step
-    assert scal[0]["pod/n_snapshots/layer_01"] == 16
-    assert metrics["pod/t_spec/layer_00"] == "pod/step"
+    assert scal[0]["pod/health/n_snapshots/layer_01"] == 16
+    # every key is defined against the step metric, the registry's names
+    assert metrics["pod/headline/t_spec/layer_00"] == "pod/step"
+    assert metrics["pod/headline/effective_rank_90pct/layer_01"] == "pod/step"
+    # the summary and the glossary arrive as tables, not HTML; one grouped chart per headline metric
+    by_key = {k: r[k] for r in rows for k in r}
+    assert by_key["pod/summary/_type"] == "table-file"
+    assert by_key["pod/glossary/_type"] == "table-file"
+    assert by_key["pod/charts/t_spec_table/_type"] == "table-file"  # wandb.plot.line_series: all layers
+    assert "pod/summary/_type" not in metrics or metrics["pod/summary"] == "pod/step"
     images = [r for r in rows if "pod/scale_organisation/path" in r]
     assert len(images) == 1
     assert (run_dir / "files" / images[0]["pod/scale_organisation/path"]).exists()

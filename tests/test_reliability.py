@@ -9,7 +9,6 @@ EROFS): the same code path, an OSError at the first write.
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import warnings
@@ -24,6 +23,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from podmonitor import PODConfig, PODMonitor, PODMonitorWarning
 from podmonitor.reporting.sinks import TensorBoardSink
 from tests.callback_models import TinyGPT
+from tests.tb_events import all_scalar_series
 
 FAST = PODConfig(n_dominant=2)
 
@@ -42,16 +42,8 @@ def read_jsonl(path):
 
 
 def tb_scalars(log_dir) -> dict[str, list[int]]:
-    """{tag: [steps]} of every scalar in the TensorBoard event files under log_dir."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    out: dict[str, list[int]] = {}
-    for path in glob.glob(os.path.join(str(log_dir), "**", "events.out.tfevents.*"), recursive=True):
-        acc = EventAccumulator(path, size_guidance={"scalars": 0})
-        acc.Reload()
-        for tag in acc.Tags()["scalars"]:
-            out.setdefault(tag, []).extend(e.step for e in acc.Scalars(tag))
-    return out
+    """{tag (with /<layer> for the per-layer runs): [steps]} under log_dir."""
+    return {tag: [step for step, _ in series] for tag, series in all_scalar_series(str(log_dir)).items()}
 
 
 def unwritable(tmp_path) -> str:
@@ -87,7 +79,7 @@ def test_sink_that_raises_on_write_costs_only_that_sink(tmp_path, monkeypatch):
     png_steps = sorted({int(d) for d in os.listdir(os.path.join(monitor.run_dir(), "images")) if d.isdigit()})
     assert png_steps == [8, 16]  # the PNG sink drew the pictures TensorBoard could not take
     # TensorBoard still took the scalars it was given before the pictures failed
-    assert tb_scalars(tmp_path / "tb")["pod/t_spec/layer_00"] == [8, 16]
+    assert tb_scalars(tmp_path / "tb")["pod/headline/t_spec/layer_00"] == [8, 16]
 
 
 def test_unwritable_output_folder_keeps_tensorboard_and_history(tmp_path):
@@ -100,7 +92,7 @@ def test_unwritable_output_folder_keeps_tensorboard_and_history(tmp_path):
     assert not any("analysing or logging failed" in m or "logging failed" in m for m in msgs)
     assert [h["step"] for h in monitor.history] == [8, 16]
     tags = tb_scalars(tmp_path / "tb")
-    assert tags["pod/t_spec/layer_00"] == [8, 16] and tags["pod/t_spec/layer_01"] == [8, 16]
+    assert tags["pod/headline/t_spec/layer_00"] == [8, 16] and tags["pod/headline/t_spec/layer_01"] == [8, 16]
 
 
 def test_unwritable_output_folder_without_logger_keeps_history(tmp_path):

@@ -55,24 +55,48 @@ def tensorboard_server(tmp_path):
                 pass
             time.sleep(0.5)
         assert runs, "TensorBoard did not come up"
-        yield base, runs[0]
+        for _ in range(60):  # the per-layer runs appear as their event files are found
+            if sum("podmonitor_layers" in r for r in runs) >= 2:
+                break
+            time.sleep(0.5)
+            runs = json.loads(get(f"{base}/data/runs"))
+        yield base, runs
     finally:
         proc.terminate()
         proc.wait(timeout=20)
 
 
 def test_tensorboard_http_api_serves_scalars_and_images(tensorboard_server):
-    base, run = tensorboard_server
+    from podmonitor.reporting.scalars import metric_tags
+
+    base, runs = tensorboard_server
+    run = next(r for r in runs if "podmonitor_layers" not in r)
+    layer_runs = {r.rsplit("/", 1)[-1]: r for r in runs if "podmonitor_layers" in r}
     q = urllib.parse.urlencode
-    for _ in range(60):  # the first load of the event file can lag behind /data/runs
+    for _ in range(60):  # the first load of the event files can lag behind /data/runs
         tags = json.loads(get(f"{base}/data/plugin/scalars/tags"))
-        if "pod/t_spec/layer_00" in tags.get(run, {}):
+        if all("pod/headline/t_spec" in tags.get(r, {}) for r in layer_runs.values()) and layer_runs:
             break
         time.sleep(0.5)
-    assert "pod/t_spec/layer_01" in tags[run]
-    query = q({"run": run, "tag": "pod/n_snapshots/layer_00"})
+    # every layer is a run of its own (a colour and a legend entry each), one tag per metric
+    assert sorted(layer_runs) == ["layer_00", "layer_01"]
+    registry = metric_tags()
+    for layer_run in layer_runs.values():
+        served = tags[layer_run]
+        assert "pod/headline/t_spec" in served
+        for tag, info in served.items():  # names, groups, titles and descriptions come from the registry
+            metric = registry[tag]
+            assert tag == f"pod/{metric.group}/{metric.key}"
+            assert info["displayName"] == metric.title
+            assert metric.description.split(";")[0].split(" ~ ")[0] in info["description"]
+    for tag, info in tags[run].items():  # run-level podmonitor tags are described too
+        if tag.startswith("pod/"):
+            assert info["displayName"] == registry[tag].title
+    query = q({"run": layer_runs["layer_00"], "tag": "pod/health/n_snapshots"})
     series = json.loads(get(f"{base}/data/plugin/scalars/scalars?{query}"))
-    assert [(step, value) for _, step, value in series] == [(8, 16.0), (16, 16.0)]
+    assert [(step, value) for _, step, value in series] == [(8, 16.0)]  # constant: logged once
+    query = q({"run": layer_runs["layer_01"], "tag": "pod/headline/t_spec"})
+    assert [step for _, step, _ in json.loads(get(f"{base}/data/plugin/scalars/scalars?{query}"))] == [8, 16]
     images = json.loads(get(f"{base}/data/plugin/images/images?" + q({"run": run, "tag": "pod/scale_organisation",
                                                                       "sample": 0})))
     assert [im["step"] for im in images] == [8, 16]
@@ -80,4 +104,4 @@ def test_tensorboard_http_api_serves_scalars_and_images(tensorboard_server):
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     layout = json.loads(get(f"{base}/data/plugin/custom_scalars/layout"))
     charts = [c for cat in layout.get("category", []) for c in cat.get("chart", [])]
-    assert any("pod/t_spec/" in r for c in charts for r in c.get("multiline", {}).get("tag", []))
+    assert any("^pod/headline/t_spec$" in c.get("multiline", {}).get("tag", []) for c in charts)

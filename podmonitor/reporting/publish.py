@@ -17,8 +17,10 @@ from typing import Any
 from ..engine.report import PODReport
 from .delivery import Outputs
 from .figures import figure_to_array, head_allocation_figure, layer_images, scale_organisation_figure
-from .scalars import layer_scalars, summary_markdown
+from .metrics import RUN_METRICS, LogPolicy, glossary_markdown, glossary_rows, registry
+from .scalars import layer_scalars, metric_tags, summary_markdown, summary_table
 from .sinks import read_json_lines, strict_jsonable
+from .worker import BackgroundWorker
 
 JSONL_NAME = "podmonitor.jsonl"
 
@@ -58,14 +60,26 @@ class Publisher:
         prefix: scalar and image tag prefix.
         run_id: written into every record (default: none).
         warning: the warning class of sink failures.
-        strict: re-raise a sink's failure instead of warning.
+        strict: re-raise a sink's failure instead of warning (outputs then run inline).
+        background: write pictures and sinks on a background worker, so the validation loop does
+            not wait for matplotlib or disk (:meth:`flush` waits for them).
     """
 
     def __init__(self, out_dir: str, prefix: str = "pod", *, run_id: str | None = None,
-                 warning: type[Warning] = UserWarning, strict: bool = False) -> None:
+                 warning: type[Warning] = UserWarning, strict: bool = False, background: bool = True) -> None:
         self.out_dir = out_dir
         self.prefix = prefix
         self.run_id = run_id
+        # pictures and sinks run on a worker thread (the JSON-lines record is written at once);
+        # in strict mode they run inline so that an error can be raised
+        self.worker = BackgroundWorker(warning=warning) if background and not strict else None
+        self._policy = LogPolicy()
+        self._last_top: dict[str, float] = {}
+        self._glossary_sent = False
+        self._steps: list[int] = []
+        self._series: dict[str, dict[str, list[float]]] = {}
+        self._pictured_last = True
+        self._last_args: tuple[Any, ...] | None = None
         self.outputs = Outputs("PODMonitor", warning, jsonl_path=os.path.join(out_dir, JSONL_NAME),
                                fallback_dir=os.path.join(out_dir, "images"), prefix=prefix, strict=strict)
         self._seen = _records_in(os.path.join(out_dir, JSONL_NAME))  # (step, stage) -> run id
@@ -85,6 +99,7 @@ class Publisher:
                 timings: Mapping[str, float], head_allocation: Any = None,
                 head_redundancy: Mapping[str, Any] | None = None,
                 readiness: Mapping[str, Any] | None = None, stage: str = "fit",
+                stability: Mapping[str, Mapping[str, float]] | None = None,
                 extra_record: Mapping[str, Any] | None = None,
                 extra_scalars: Mapping[str, float] | None = None,
                 extras: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -132,61 +147,99 @@ class Publisher:
         self.outputs.record(record)
         self._seen[(step, stage)] = self.run_id or ""
 
-        scalars: dict[str, float] = {}
+        eps = tuple(float(e) for e in (next(iter(reports.values())).config.get("eps") if reports else None)
+                    or (0.10, 0.05, 0.01))
+        metrics = metric_tags(eps, p)
+        if not self.outputs.descriptions:
+            self.outputs.descriptions = {tag: (m.title, m.description) for tag, m in metrics.items()}
+        # per layer: {layer: {tag without layer: value}}, after each metric's log rule
+        per_layer: dict[str, dict[str, float]] = {}
         for name, rep in reports.items():
-            scalars.update(layer_scalars(rep, name, prefix=p, analysis_seconds=rep.analysis_seconds))
-        scalars[f"{p}/run/n_layers"] = float(len(layer_names))
-        for k, v in skipped.items():
-            scalars[f"{p}/run/skipped_{k}"] = float(v)
-        for k, v in timings.items():
-            scalars[f"{p}/run/{k}"] = float(v)
-        scalars[f"{p}/run/errors"] = float(len(errors))
+            extra_values = dict((stability or {}).get(name, {}))
+            top = rep.dominant_scales[0] if rep.dominant_scales else None
+            last = self._last_top.get(name)
+            if top is not None and "/" not in name:
+                extra_values["top_scale_changed"] = float(last is not None and max(top, last) / min(top, last) > 1.5)
+                self._last_top[name] = float(top)
+            flat = layer_scalars(rep, name, prefix=p, analysis_seconds=rep.analysis_seconds, extra=extra_values)
+            suffix = f"/{name}"
+            values = {tag[: -len(suffix)]: v for tag, v in flat.items()}
+            chosen = self._policy.select({f"{t}{suffix}": v for t, v in values.items()},
+                                         {f"{t}{suffix}": metrics[t] for t in values if t in metrics})
+            per_layer[name] = {tag[: -len(suffix)]: v for tag, v in chosen.items()}
+        run_values = {f"{p}/cost/{k}": float(v) for k, v in timings.items()}
+        run_values.update({f"{p}/health/skipped_{k}": float(v) for k, v in skipped.items()})
+        run_values[f"{p}/health/errors"] = float(len(errors))
+        scalars = self._policy.select(run_values, metrics)
         scalars.update(extra_scalars or {})
 
         layer_reports = [reports[n] for n in layer_names if n in reports]
         present = [n for n in layer_names if n in reports]
-        pictures: dict[str, Any] = {}
-        if images and layer_reports:
-            try:
-                pictures[f"{p}/scale_organisation"] = figure_to_array(scale_organisation_figure(layer_reports, present))
-                for name in present:
-                    pictures.update(layer_images(reports[name], name, prefix=p))
-            except Exception as err:  # noqa: BLE001 - a picture never costs the numbers
-                self.outputs._failed("the pictures", "drawing", err)
-                pictures = {}
         text = summary_markdown(layer_reports, present, step=step) if layer_reports else ""
+        table = summary_table(layer_reports, present) if layer_reports else None
         if errors:
             text += "\n\n**Problems in this run:**\n\n" + "\n".join(f"- {e}" for e in errors)
-        extra = pruning_outputs(head_allocation, head_redundancy, readiness, prefix=p, images=images)
+        extra = pruning_outputs(head_allocation, head_redundancy, readiness, prefix=p, images=False)
         scalars.update(extra["scalars"])
-        pictures.update(extra["images"])
         texts: dict[str, str] = {}
         tables: dict[str, Any] = {}
         for res in extras.values():
             scalars.update(res.scalars)
             texts.update(res.texts)
             tables.update(res.tables)
-            if images:
-                pictures.update(res.images)
-
+        glossary = None
+        if not self._glossary_sent:
+            glossary = (glossary_markdown(eps, p), glossary_rows([*registry(eps), *RUN_METRICS]))
+            self._glossary_sent = True
+        trend = self._trend(step, per_layer, layer_names)
         self.outputs.layer_names = list(layer_names)
+        failures: list[str] = []
 
-        def write(sink: Any) -> None:
-            sink.log_scalars(scalars, step)
-            if pictures:
-                sink.log_images(pictures, step)
-            if text:
-                sink.log_text(f"{p}/summary", text, step)
-            if extra["text"]:
-                sink.log_text(f"{p}/head_allocation", extra["text"], step)
-            if extra["table"] is not None:
-                sink.log_table(f"{p}/head_allocation_table", *extra["table"], step)
-            for tag, markdown in texts.items():
-                sink.log_text(tag, markdown, step)
-            for tag, (columns, rows) in tables.items():
-                sink.log_table(tag, columns, rows, step)
+        def job() -> None:
+            pictures: dict[str, Any] = {}
+            if images and layer_reports:
+                pictures = self._pictures(reports, present, layer_reports, failures)
+                if head_allocation is not None:
+                    pictures[f"{p}/head_allocation"] = figure_to_array(head_allocation_figure(head_allocation))
+                for res in extras.values():
+                    pictures.update(res.images)
 
-        self.outputs.send(loggers, write)
+            def write(sink: Any) -> None:
+                if glossary is not None:
+                    if sink.prefers_tables:
+                        sink.log_table(f"{p}/glossary", ["group", "metric", "title", "unit", "meaning"],
+                                       glossary[1], step)
+                    else:
+                        sink.log_text(f"{p}/glossary", glossary[0], step)
+                sink.log_layer_scalars(per_layer, step)
+                sink.log_scalars(scalars, step)
+                for key, (title, series) in trend.items():
+                    sink.log_line_series(f"{p}/charts/{key}", self._steps, series, title, step)
+                if pictures:
+                    sink.log_images(pictures, step)
+                if sink.prefers_tables and table is not None:
+                    sink.log_table(f"{p}/summary", *table, step)
+                    if errors:
+                        sink.log_table(f"{p}/problems", ["problem"], [[e] for e in errors], step)
+                elif text:
+                    sink.log_text(f"{p}/summary", text, step)
+                if extra["text"]:
+                    sink.log_text(f"{p}/head_allocation", extra["text"], step)
+                if extra["table"] is not None:
+                    sink.log_table(f"{p}/head_allocation_table", *extra["table"], step)
+                for tag, markdown in texts.items():
+                    sink.log_text(tag, markdown, step)
+                for tag, (columns, rows) in tables.items():
+                    sink.log_table(tag, columns, rows, step)
+
+            self.outputs.send(loggers, write, failures)
+
+        if self.worker is not None:
+            self.worker.submit(job)
+        else:
+            job()
+        self._pictured_last = bool(images)
+        self._last_args = (loggers, reports, list(layer_names), step)
         entry: dict[str, Any] = {
             "step": step,
             "epoch": epoch,
@@ -198,11 +251,78 @@ class Publisher:
         for key in ("head_allocation", "readiness", *extras):
             if key in record:
                 entry[key] = record[key]
-        entry["output_failures"] = list(self.outputs.failures)
+        entry["output_failures"] = failures  # filled by the outputs job (in the background)
         return entry
 
+    def _pictures(self, reports: Mapping[str, PODReport], present: Sequence[str], layer_reports: Sequence[PODReport],
+                  failures: list[str]) -> dict[str, Any]:
+        p = self.prefix
+        pictures: dict[str, Any] = {}
+        try:
+            pictures[f"{p}/scale_organisation"] = figure_to_array(scale_organisation_figure(layer_reports, present))
+            for name in present:
+                pictures.update(layer_images(reports[name], name, prefix=p))
+        except Exception as err:  # noqa: BLE001 - a picture never costs the numbers
+            self.outputs._failed("the pictures", "drawing", err, failures)
+            return {}
+        return pictures
+
+    def publish_last_pictures(self) -> bool:
+        """Draw the pictures of the last published run if it had none (the end of a fit always gets
+        pictures). Returns whether pictures were queued."""
+        if self._last_args is None or self._pictured_last:
+            return False
+        loggers, reports, layer_names, step = self._last_args
+        present = [n for n in layer_names if n in reports]
+        layer_reports = [reports[n] for n in present]
+        if not layer_reports:
+            return False
+        failures: list[str] = []
+
+        def job() -> None:
+            pictures = self._pictures(reports, present, layer_reports, failures)
+            if pictures:
+                self.outputs.send(loggers, lambda sink: sink.log_images(pictures, step), failures)
+
+        if self.worker is not None:
+            self.worker.submit(job)
+        else:
+            job()
+        self._pictured_last = True
+        return True
+
+    def _trend(self, step: int, per_layer: Mapping[str, Mapping[str, float]],
+               layer_names: Sequence[str]) -> dict[str, tuple[str, dict[str, list[float]]]]:
+        """Headline metrics over the runs so far, one line per layer (for grouped line charts)."""
+        if not self._steps or self._steps[-1] != step:
+            self._steps.append(step)
+        n = len(self._steps)
+        out: dict[str, tuple[str, dict[str, list[float]]]] = {}
+        for m in registry():
+            if m.group != "headline":
+                continue
+            tag = m.tag(self.prefix)
+            series = self._series.setdefault(m.key, {})
+            for name in layer_names:
+                line = series.setdefault(name, [])
+                line.extend([math.nan] * (n - 1 - len(line)))
+                value = per_layer.get(name, {}).get(tag, math.nan)
+                if len(line) == n:
+                    line[-1] = value
+                else:
+                    line.append(value)
+            out[m.key] = (m.title, {k: list(v) for k, v in series.items()})
+        return out
+
+    def flush(self) -> None:
+        """Wait for the outputs queued in the background."""
+        if self.worker is not None:
+            self.worker.flush()
+
     def close(self) -> None:
-        """Close the JSON-lines file, flush the sinks."""
+        """Run the queued outputs, close the JSON-lines file, flush the sinks."""
+        if self.worker is not None:
+            self.worker.close()
         self.outputs.close()
 
 

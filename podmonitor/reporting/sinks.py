@@ -1,6 +1,6 @@
 """Where reports go: TensorBoard, Weights & Biases, PNG files, JSON lines.
 
-A :class:`ReportSink` takes scalars (``{"pod/t_spec/layer_00": 0.8, ...}``, see
+A :class:`ReportSink` takes scalars (``{"pod/headline/t_spec/layer_00": 0.8, ...}``, see
 :func:`~podmonitor.reporting.scalars.layer_scalars`), images (``{tag: (H, W, 3) uint8}``, see
 :func:`~podmonitor.reporting.figures.layer_images`) and markdown text, each with an explicit step.
 :func:`sinks_for_loggers` picks the sinks that match a Lightning trainer's loggers.
@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from .scalars import custom_scalars_layout, metric_names
+from .scalars import custom_scalars_layout
 
 __all__ = [
     "JSONLinesWriter",
@@ -71,6 +71,13 @@ class ReportSink(ABC):
     def log_scalars(self, scalars: Mapping[str, float], step: int) -> None:
         """Log ``{tag: value}`` at ``step`` (NaN and inf are passed through)."""
 
+    def log_layer_scalars(self, per_layer: Mapping[str, Mapping[str, float]], step: int) -> None:
+        """Log ``{layer: {tag: value}}`` at ``step``. Default: the flat tags ``<tag>/<layer>`` through
+        :meth:`log_scalars`; TensorBoard writes each layer as a run of its own instead."""
+        flat = {f"{tag}/{layer}": v for layer, values in per_layer.items() for tag, v in values.items()}
+        if flat:
+            self.log_scalars(flat, step)
+
     @abstractmethod
     def log_images(self, images: Mapping[str, np.ndarray], step: int) -> None:
         """Log ``{tag: (H, W, 3) uint8 RGB array}`` at ``step``.
@@ -83,9 +90,19 @@ class ReportSink(ABC):
     def log_text(self, tag: str, markdown: str, step: int) -> None:
         """Log a markdown text under ``tag`` at ``step``."""
 
+    #: whether the sink shows tables better than markdown (W&B): the publisher then sends the
+    #: summary as a table instead of text
+    prefers_tables: bool = False
+
     def log_table(self, tag: str, columns: Sequence[str], rows: Sequence[Sequence[Any]], step: int) -> None:  # noqa: B027
         """Log a table (e.g. the head allocation advice). Default: nothing (the same content is
         logged as markdown text); W&B logs a ``wandb.Table``, the PNG sink a CSV file."""
+
+    def log_line_series(self, tag: str, steps: Sequence[int], series: Mapping[str, Sequence[float]],  # noqa: B027
+                        title: str, step: int) -> None:
+        """Log one chart of several lines (``{line name: values at steps}``), e.g. one metric over
+        all layers. Default: nothing (TensorBoard has its layers-as-runs cards); W&B logs a
+        ``wandb.plot.line_series``."""
 
     def flush(self) -> None:  # noqa: B027 - optional hook
         """Push buffered data to disk / the service."""
@@ -102,57 +119,93 @@ class ReportSink(ABC):
 class TensorBoardSink(ReportSink):
     """Writes to a TensorBoard ``SummaryWriter`` (``TensorBoardLogger.experiment``).
 
-    On the first :meth:`log_scalars` it writes a custom-scalars layout once
-    (:func:`~podmonitor.reporting.scalars.custom_scalars_layout`): one multi-line chart per metric
-    with all layers, in TensorBoard's "Custom Scalars" tab.
+    Per-layer scalars (:meth:`log_layer_scalars`) go to one writer per layer, in
+    ``<log_dir>/podmonitor_layers/<layer>``: TensorBoard shows each layer as a run of its own, with
+    its own colour and a legend entry, so one card of ``pod/headline/t_spec`` holds every layer.
+    The first value of each tag carries the metric's title and description as summary metadata
+    (shown by TensorBoard under the card; ``descriptions``). On the first write it adds a
+    custom-scalars layout (:func:`~podmonitor.reporting.scalars.custom_scalars_layout`).
 
     Args:
-        writer: ``torch.utils.tensorboard.SummaryWriter`` or ``tensorboardX.SummaryWriter`` (any
-            object with ``add_scalar``, ``add_image``, ``add_text``, ``add_custom_scalars``,
-            ``flush``; Lightning's rank-zero dummy experiment also works).
+        writer: ``torch.utils.tensorboard.SummaryWriter`` (any object with ``add_scalar``,
+            ``add_image``, ``add_text``, ``add_custom_scalars``, ``flush``; one without ``log_dir``
+            gets the per-layer scalars as flat ``<tag>/<layer>`` tags instead).
         prefix: the prefix of the scalar tags (for the layout).
-        layer_names: layers for the per-layer charts of the layout (default: inferred from the tags
-            of the first :meth:`log_scalars` call).
+        layer_names: unused, kept for compatibility.
         layout: a custom-scalars layout to write instead of the default one; ``{}`` writes none.
         owns_writer: close the writer in :meth:`close` (default False: the logger owns it).
+        descriptions: ``{tag: (title, description)}`` written once per tag and writer.
+        layer_dir: folder of the per-layer writers under the writer's ``log_dir``.
     """
 
     def __init__(self, writer: Any, *, prefix: str = "pod", layer_names: Sequence[str] | None = None,
-                 layout: dict | None = None, owns_writer: bool = False) -> None:
+                 layout: dict | None = None, owns_writer: bool = False,
+                 descriptions: Mapping[str, tuple[str, str]] | None = None,
+                 layer_dir: str = "podmonitor_layers") -> None:
         self.writer = writer
         self.prefix = prefix
         self.layer_names = list(layer_names) if layer_names is not None else None
         self._layout = layout
         self._layout_written = False
         self.owns_writer = owns_writer
+        self.descriptions = dict(descriptions or {})
+        self.layer_dir = layer_dir
+        self._layer_writers: dict[str, Any] = {}
+        self._described: set[tuple[int, str]] = set()
 
-    def _write_layout(self, tags: Iterable[str]) -> None:
+    def _write_layout(self) -> None:
         self._layout_written = True
         layout = self._layout
         if layout is None:
-            head = f"{self.prefix}/" if self.prefix else ""
-            metrics, layers = list(metric_names()), []
-            for tag in tags:
-                if not tag.startswith(head):
-                    continue
-                parts = tag[len(head):].split("/", 1)
-                if len(parts) != 2:
-                    continue
-                if parts[0] not in metrics:
-                    metrics.append(parts[0])
-                if parts[1] not in layers:
-                    layers.append(parts[1])
-            names = self.layer_names if self.layer_names is not None else layers
-            layout = custom_scalars_layout(names, self.prefix, metrics=metrics)
+            layout = custom_scalars_layout(self.prefix, extra_charts={"validation loss": ["^val_loss$"]})
         if layout:
             self.writer.add_custom_scalars(layout)
+
+    def _scalar(self, writer: Any, tag: str, value: float, step: int) -> None:
+        """One scalar event. A tag with a description is written as a "new style" scalar summary (a
+        tensor with the scalars plugin's metadata): TensorBoard's default (fast) loader reads a tag's
+        title and description only from such events; the first event of each tag and writer carries
+        them. Other tags are plain scalars."""
+        file_writer = getattr(writer, "_get_file_writer", None)
+        described = self.descriptions.get(tag)
+        if file_writer is None or described is None:
+            writer.add_scalar(tag, float(value), global_step=step)
+            return
+        from torch.utils.tensorboard.summary import scalar
+
+        summary = scalar(tag, float(value), new_style=True)
+        key = (id(writer), tag)
+        if key not in self._described:
+            summary.value[0].metadata.display_name = described[0]
+            summary.value[0].metadata.summary_description = described[1]
+            self._described.add(key)
+        file_writer().add_summary(summary, step)
 
     def log_scalars(self, scalars: Mapping[str, float], step: int) -> None:
         step = _check_step(step)
         if not self._layout_written:
-            self._write_layout(scalars.keys())
+            self._write_layout()
         for tag, value in scalars.items():
-            self.writer.add_scalar(tag, float(value), global_step=step)
+            self._scalar(self.writer, tag, value, step)
+
+    def _writer_for(self, layer: str) -> Any:
+        if layer not in self._layer_writers:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._layer_writers[layer] = SummaryWriter(os.path.join(self.writer.log_dir, self.layer_dir, layer))
+        return self._layer_writers[layer]
+
+    def log_layer_scalars(self, per_layer: Mapping[str, Mapping[str, float]], step: int) -> None:
+        step = _check_step(step)
+        if not getattr(self.writer, "log_dir", None):
+            super().log_layer_scalars(per_layer, step)
+            return
+        if not self._layout_written:
+            self._write_layout()
+        for layer, values in per_layer.items():
+            w = self._writer_for(layer)
+            for tag, value in values.items():
+                self._scalar(w, tag, value, step)
 
     def log_images(self, images: Mapping[str, np.ndarray], step: int) -> None:
         step = _check_step(step)
@@ -165,9 +218,14 @@ class TensorBoardSink(ReportSink):
 
     def flush(self) -> None:
         self.writer.flush()
+        for w in self._layer_writers.values():
+            w.flush()
 
     def close(self) -> None:
         self.flush()
+        for w in self._layer_writers.values():
+            w.close()
+        self._layer_writers = {}
         if self.owns_writer:
             self.writer.close()
 
@@ -200,13 +258,15 @@ class WandbSink(ReportSink):
         owns_run: call ``run.finish()`` in :meth:`close` (default False: the logger owns it).
     """
 
+    prefers_tables = True
+
     def __init__(self, run: Any, *, step_metric: str = "pod/step", owns_run: bool = False) -> None:
         self.run = run
         self.step_metric = step_metric
         self.owns_run = owns_run
         self._defined: set[str] = set()
 
-    def _define(self, keys: Iterable[str]) -> None:
+    def _define(self, keys: Iterable[str], summary: str | None = None) -> None:
         define = getattr(self.run, "define_metric", None)
         if define is None:
             return
@@ -215,19 +275,23 @@ class WandbSink(ReportSink):
             self._defined.add(self.step_metric)
         for key in keys:
             if key not in self._defined:
-                define(key, step_metric=self.step_metric)
+                if summary is None:
+                    define(key, step_metric=self.step_metric)
+                else:
+                    define(key, step_metric=self.step_metric, summary=summary)
                 self._defined.add(key)
 
-    def _log(self, payload: dict[str, Any], step: int) -> None:
+    def _log(self, payload: dict[str, Any], step: int, summary: str | None = None) -> None:
         if not payload:
             return
         if self.step_metric in payload:
             raise ValueError(f"{self.step_metric!r} is the step metric of this sink, not a loggable key")
-        self._define(payload.keys())
+        self._define(payload.keys(), summary)
         self.run.log({self.step_metric: step, **payload})
 
     def log_scalars(self, scalars: Mapping[str, float], step: int) -> None:
-        self._log({k: float(v) for k, v in scalars.items()}, _check_step(step))
+        # the run summary of each scalar is its last value (the latest state of the layer)
+        self._log({k: float(v) for k, v in scalars.items()}, _check_step(step), summary="last")
 
     def log_images(self, images: Mapping[str, np.ndarray], step: int) -> None:
         step = _check_step(step)
@@ -246,6 +310,15 @@ class WandbSink(ReportSink):
 
         data = [[_table_cell(v) for v in row] for row in rows]
         self._log({tag: wandb.Table(columns=list(columns), data=data)}, _check_step(step))
+
+    def log_line_series(self, tag: str, steps: Sequence[int], series: Mapping[str, Sequence[float]], title: str,
+                        step: int) -> None:
+        import wandb
+
+        keys = list(series)
+        ys = [[_table_cell(float(v)) if v is not None else None for v in series[k]] for k in keys]
+        chart = wandb.plot.line_series(xs=[int(s) for s in steps], ys=ys, keys=keys, title=title, xname="step")
+        self._log({tag: chart}, _check_step(step))
 
     def close(self) -> None:
         if self.owns_run:
@@ -465,7 +538,8 @@ def _is_lightning_logger(logger: Any, class_name: str) -> bool:
 
 
 def sink_factories(loggers: Any, fallback_dir: str | os.PathLike, *, prefix: str = "pod",
-                   layer_names: Sequence[str] | None = None, layout: dict | None = None
+                   layer_names: Sequence[str] | None = None, layout: dict | None = None,
+                   descriptions: Mapping[str, tuple[str, str]] | None = None
                    ) -> list[tuple[str, Callable[[], ReportSink]]]:
     """``[(label, make_sink), ...]`` for a trainer's loggers, nothing created yet.
 
@@ -480,7 +554,8 @@ def sink_factories(loggers: Any, fallback_dir: str | os.PathLike, *, prefix: str
     Args:
         loggers: a list of loggers, a single logger, or None.
         fallback_dir: folder of the PNG sink.
-        prefix, layer_names, layout: passed to :class:`TensorBoardSink` for its custom-scalars layout.
+        prefix, layer_names, layout, descriptions: passed to :class:`TensorBoardSink` (its custom-scalars
+            layout and tag descriptions).
     """
     if loggers is None:
         loggers = []
@@ -492,8 +567,8 @@ def sink_factories(loggers: Any, fallback_dir: str | os.PathLike, *, prefix: str
     for i, logger in enumerate(loggers):
         label = "TensorBoard" if i == 0 else f"TensorBoard ({i})"
         if _is_lightning_logger(logger, "TensorBoardLogger"):
-            out.append((label, lambda lg=logger: TensorBoardSink(lg.experiment, prefix=prefix,
-                                                                 layer_names=layer_names, layout=layout)))
+            out.append((label, lambda lg=logger: TensorBoardSink(lg.experiment, prefix=prefix, layer_names=layer_names,
+                                                                 layout=layout, descriptions=descriptions)))
         elif _is_lightning_logger(logger, "WandbLogger"):
             out.append(("W&B" if i == 0 else f"W&B ({i})",
                         lambda lg=logger: WandbSink(lg.experiment, step_metric=step_metric)))

@@ -425,21 +425,22 @@ def test_reporting_readers_accept_a_sketch_report(which, request):
     eps = DECAY_SKETCH.eps
     if which == "decaying_report":  # both branches: H*(0.10) resolved, the smaller eps beyond R
         assert head.resolved_rank >= 3 and not head.beyond_resolved[0.1] and head.beyond_resolved[0.01]
-        assert math.isfinite(head.t_spec) and scalars["pod/t_spec/layer_00"] == head.t_spec
-        assert scalars["pod/n_fit/layer_00"] == head.n_fit == min(head.resolved_rank, DECAY_SKETCH.k_fit)
+        assert math.isfinite(head.t_spec) and scalars["pod/headline/t_spec/layer_00"] == head.t_spec
+        assert scalars["pod/fit/n_fit/layer_00"] == head.n_fit == min(head.resolved_rank, DECAY_SKETCH.k_fit)
     else:  # nothing resolved: every H* is "more than 0", T_spec NaN
         assert head.resolved_rank == 0 and all(head.beyond_resolved.values())
-        assert math.isnan(scalars["pod/t_spec/layer_00"])
+        assert math.isnan(scalars["pod/headline/t_spec/layer_00"])
     for e in eps:
         beyond = head.beyond_resolved[e]
-        value = scalars[f"pod/h_eps_{e:.2f}/layer_00"]
+        group = "headline" if e == eps[0] else "fit"
+        value = scalars[f"pod/{group}/effective_rank_{100 * (1 - e):g}pct/layer_00"]
         if beyond:
             assert math.isnan(value)
         else:
             assert head.effective_rank[e] is not None and value == head.effective_rank[e]
-        assert scalars[f"pod/beyond_resolved_eps_{e:.2f}/layer_00"] == float(beyond)
-    assert scalars["pod/resolved_rank/layer_00"] == head.resolved_rank
-    assert scalars["pod/error_bound/layer_00"] == head.error_bound
+        assert scalars[f"pod/sketch/beyond_resolved_{100 * (1 - e):g}pct/layer_00"] == float(beyond)
+    assert scalars["pod/sketch/resolved_rank/layer_00"] == head.resolved_rank
+    assert scalars["pod/sketch/error_bound/layer_00"] == head.error_bound
     table = summary_markdown([report], ["layer_00"])
     header, _, row = table.strip().splitlines()[2:5]
     cols = [c.strip() for c in header.strip("|").split("|")]
@@ -448,7 +449,7 @@ def test_reporting_readers_accept_a_sketch_report(which, request):
     assert cells["T_spec"] == ("n/a" if math.isnan(head.t_spec) else format(head.t_spec, ".3g"))
     for e in eps:
         expected = f"> {head.resolved_rank} (sketch)" if head.beyond_resolved[e] else str(head.effective_rank[e])
-        assert cells[f"H*({eps_label(e)})"] == expected
+        assert cells[f"H*({eps_label(e)}) [modes]"] == expected
 
 
 def test_fitted_power_law_of_a_sketch_spans_only_the_fitted_points(decaying_report):

@@ -92,8 +92,31 @@ def test_tensorboard_sink_scalars_images_layout(tmp_path):
     text = acc.Tensors("pod/summary/text_summary")
     assert text[0].step == 20 and text[0].tensor_proto.string_val[0].decode().startswith("| a |")
     layout = _layout(acc)
-    assert layout["podmonitor"]["T_spec"] == ["pod/t_spec/.*"]
-    assert layout["podmonitor per layer"]["H*(eps) layer_00"] == ["pod/h_eps_[^/]*/layer_00$"]
+    assert layout["podmonitor headline"]["T_spec (spectral concentration)"] == ["^pod/headline/t_spec$"]
+    assert layout["podmonitor headline"]["validation loss"] == ["^val_loss$"]
+
+
+def test_tensorboard_sink_layers_are_runs_and_tags_carry_the_registry_description(tmp_path):
+    from torch.utils.tensorboard import SummaryWriter
+
+    from podmonitor.reporting.metrics import by_key
+    from podmonitor.reporting.scalars import metric_tags
+    from tests.tb_events import scalar_series, summary_metadata
+
+    writer = SummaryWriter(str(tmp_path))
+    described = {tag: (m.title, m.description) for tag, m in metric_tags().items()}
+    sink = TensorBoardSink(writer, descriptions=described)
+    for step in (10, 20):
+        sink.log_layer_scalars({"layer_00": {"pod/headline/t_spec": step + 0.5},
+                                "blocks.1.attn": {"pod/headline/t_spec": step + 1.5}}, step)
+    sink.close()
+    writer.close()
+    for layer, offset in (("layer_00", 0.5), ("blocks.1.attn", 1.5)):
+        run = str(tmp_path / "podmonitor_layers" / layer)
+        assert scalar_series(run)["pod/headline/t_spec"] == [(10, 10 + offset), (20, 20 + offset)]
+        meta = summary_metadata(run, "pod/headline/t_spec")
+        assert meta.summary_description == by_key()["t_spec"].description
+        assert meta.display_name == by_key()["t_spec"].title
 
 
 def test_tensorboard_sink_from_lightning_logger_and_bad_image(tmp_path):
