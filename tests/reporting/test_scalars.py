@@ -20,7 +20,8 @@ from podmonitor.reporting.scalars import (
 # the tags every exact-mode report gives, written out by hand (group/key), independent of the registry code
 EXPECTED = {
     "headline/t_spec", "headline/effective_rank_90pct", "headline/top_scale", "headline/mean_attention_distance",
-    "headline/entropy", "fit/r2", "fit/n_fit", "fit/effective_rank_95pct", "fit/effective_rank_99pct", "scales/scale_centroid",
+    "headline/entropy", "fit/r2", "fit/n_fit", "fit/effective_rank_95pct", "fit/effective_rank_99pct",
+    "scales/scale_centroid",
     "cost/analysis_seconds", "health/n_snapshots", "health/n_skipped_nonfinite", "health/n_not_normalised",
     "health/status_flagged", "health/saturated_90pct", "health/saturated_95pct", "health/saturated_99pct",
 }
