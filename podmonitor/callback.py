@@ -31,6 +31,8 @@ from .pruning.readiness import AdviceReadiness
 from .pruning.redundancy import HeadRedundancy, HeadRedundancyAccumulator
 
 STATE_VERSION = 1
+#: default scale of the coherency map (tokens): scales[4] of the default grid, 2^(1 + 5 * 4 / 19) = 4.15
+COHERENCY_SCALE = 2.0 ** (1.0 + 5.0 * 4.0 / 19.0)
 # the state of version 1 without a run id still loads (run_id then unknown)
 
 
@@ -188,6 +190,7 @@ class PODMonitor(MonitorCallback):
 
     def _reset_run(self) -> None:
         self._monitored_run = False  # this validation run is monitored: the same on every rank
+        self._picture_run = False  # this run draws pictures (and computes the coherency map)
         self._monitoring = False  # this rank still captures (False after an error on this rank)
         self._capturing = False
         self._quota_shared = False  # the ranks share the quota batch by batch (same on every rank)
@@ -290,6 +293,10 @@ class PODMonitor(MonitorCallback):
         self._monitoring = self._monitored_run
         if not self._monitored_run:
             return
+        # pictures (and with them the costly coherency map) on every images_every_n-th monitored run;
+        # decided from the validation count, the same on every rank
+        monitored_index = (self.validation_count - 1) // self.every_n_validations
+        self._picture_run = self.log_images and monitored_index % self.images_every_n == 0
         for extra in self.extras:  # the index is the same on every rank
             self._call_extra(extra, "start_run", trainer, pl_module,
                              (self.validation_count - 1) // self.every_n_validations)
@@ -384,6 +391,12 @@ class PODMonitor(MonitorCallback):
             config = self.config
             if captured.causal is not None and config.causal is None:
                 config = _replace(config, causal=captured.causal)
+            if config.coherency and not self._picture_run:
+                # METHOD.md section 6: a picture, by far the costliest part at long contexts
+                config = _replace(config, coherency=False)
+            elif config.coherency and config.coherency_scale is None:
+                # one scale for every layer, so that the maps compare: the published "word scale"
+                config = _replace(config, coherency_scale=COHERENCY_SCALE)
             for name in self._layer_names:
                 self._accumulators[name] = PODAccumulator(config)
             if self.per_head:
@@ -611,7 +624,7 @@ class PODMonitor(MonitorCallback):
 
     def _report(self, trainer: Trainer, reports: dict[str, PODReport]) -> None:
         """Rank zero only (no collective in here): write the run's outputs, keep its summary."""
-        images = self.log_images and (self.monitored_count % self.images_every_n == 0)
+        images = self._picture_run
         if self.per_head:
             self._advise(int(trainer.global_step), reports)
         summary = self._get_publisher().publish(

@@ -268,3 +268,23 @@ def test_custom_capture_function(tmp_path):
     rec = read_jsonl(tmp_path / "pm" / "podmonitor.jsonl")[0]
     assert rec["layers"]["layer_00"]["n_snapshots"] == 12
     assert rec["layers"]["layer_00"]["causal"] is True
+
+
+def test_coherency_only_on_picture_runs_at_one_scale_and_last_run_pictured(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    # default images_every_n=2: runs 1 and 3 draw pictures; run 2 is the last one and gets them at fit end
+    monitor = PODMonitor(n_snapshots=8)
+    logger = TensorBoardLogger(str(tmp_path), name="tb")
+    make_trainer(tmp_path, monitor, logger=logger, max_epochs=2).fit(TinyGPT())
+    records = read_jsonl(os.path.join(logger.log_dir, "podmonitor", "podmonitor.jsonl"))
+    first, second = records
+    for layer in first["layers"].values():  # picture run: the map, at the one shared scale
+        assert layer["coherency_scale"] == pytest.approx(2 ** (1 + 5 * 4 / 19))
+    for layer in second["layers"].values():  # no picture: the costly map is skipped
+        assert layer["coherency_scale"] is None
+    acc = EventAccumulator(logger.log_dir, size_guidance={"images": 0})
+    acc.Reload()
+    assert [e.step for e in acc.Images("pod/scale_organisation")] == [8, 16]  # the last run too
+    assert [e.step for e in acc.Images("pod/trend/t_spec")] == [8, 16]
+    assert [e.step for e in acc.Images("pod/coherency/layer_00")] == [8]

@@ -41,6 +41,7 @@ __all__ = [
     "layer_images",
     "modes_figure",
     "scalogram_figure",
+    "trend_heatmap_figure",
     "scale_organisation_figure",
     "spectrum_figure",
 ]
@@ -126,7 +127,7 @@ def _message(ax: Axes, lines: Sequence[str]) -> None:
     """Replace the content of ``ax`` by a centred message."""
     ax.set_axis_off()
     ax.text(0.5, 0.5, _wrap(lines), ha="center", va="center", transform=ax.transAxes,
-            fontsize=10, color="firebrick", wrap=True)
+            fontsize=13, color="firebrick", wrap=True)
 
 
 def _note(ax: Axes, lines: Sequence[str]) -> None:
@@ -134,11 +135,11 @@ def _note(ax: Axes, lines: Sequence[str]) -> None:
     if not lines:
         return
     ax.text(0.02, 0.02, _wrap(lines, 60), ha="left", va="bottom", transform=ax.transAxes,
-            fontsize=8, color="firebrick", bbox={"facecolor": "white", "alpha": 0.8, "edgecolor": "firebrick"})
+            fontsize=11, color="firebrick", bbox={"facecolor": "white", "alpha": 0.8, "edgecolor": "firebrick"})
 
 
 def _title(fig: Figure, title: str | None, what: str) -> None:
-    fig.suptitle(f"{title}: {what}" if title else what, fontsize=11)
+    fig.suptitle(f"{title}: {what}" if title else what, fontsize=14)
 
 
 def _log_edges(scales: np.ndarray) -> np.ndarray:
@@ -230,7 +231,7 @@ def scalogram_figure(report: PODReport, which: Which = "fluctuation", *, title: 
         ax_e.set_xscale("log")
         ax_e.xaxis.set_major_locator(LogLocator(numticks=3))
         ax_e.xaxis.set_minor_formatter(NullFormatter())
-    ax_e.tick_params(axis="x", labelsize=7)
+    ax_e.tick_params(axis="x", labelsize=10)
 
     for rank, a in enumerate(report.dominant_scales or []):
         if not _finite(a) or a <= 0:
@@ -238,12 +239,12 @@ def scalogram_figure(report: PODReport, which: Which = "fluctuation", *, title: 
         style = {"color": "red" if rank == 0 else "white", "ls": "--", "lw": 1.2 if rank == 0 else 0.8}
         ax.axhline(a, **style)
         ax_e.axhline(a, **{**style, "color": "red" if rank == 0 else "gray"})
-        ax.text(n_lags - 0.5, a, f" a*{rank + 1}={a:.3g}", color=style["color"], fontsize=7,
+        ax.text(n_lags - 0.5, a, f" a*{rank + 1}={a:.3g}", color=style["color"], fontsize=10,
                 ha="right", va="bottom")
     if _finite(report.scale_centroid) and which == "fluctuation":
         ax_e.axhline(report.scale_centroid, color="tab:orange", ls=":", lw=1.2)
         ax_e.text(0.98, report.scale_centroid, "centroid", transform=ax_e.get_yaxis_transform(),
-                  color="tab:orange", fontsize=7, ha="right", va="bottom")
+                  color="tab:orange", fontsize=10, ha="right", va="bottom")
     extra = []
     if not np.all(np.isfinite(s)):
         extra.append(f"{int(np.sum(~np.isfinite(s)))} non-finite value(s) left blank")
@@ -361,7 +362,7 @@ def scale_organisation_figure(reports: Sequence[PODReport], layer_names: Sequenc
         ax.plot(cen_x, cen_y, "D-", color="tab:orange", ms=5, lw=1, label="scale centroid")
     if top_x or other_x or cen_x:
         ax.legend(loc="lower center", bbox_to_anchor=(0.5, 0.0), bbox_transform=fig.transFigure, ncol=3,
-                  fontsize=8, frameon=False)
+                  fontsize=11, frameon=False)
     ax.set_xlim(-0.5, grid.size - 0.5)
     ax.set_ylim(len(reports) - 0.5, -0.5)
     _note(ax, blank[:4] + ([f"... and {len(blank) - 4} more"] if len(blank) > 4 else []))
@@ -444,7 +445,7 @@ def spectrum_figure(report: PODReport, *, title: str | None = None) -> Figure:
     ax.set_xlabel("mode k")
     ax.set_ylabel("eigenvalue λ_k")
     ax.grid(True, which="major", alpha=0.3)
-    ax.legend(fontsize=7, loc="lower left", title="dashed: fit c·k^−β", title_fontsize=7)
+    ax.legend(fontsize=10, loc="lower left", title="dashed: fit c·k^−β", title_fontsize=10)
     _note(ax, skipped + _status_lines(report))
     return fig
 
@@ -468,7 +469,9 @@ def modes_figure(report: PODReport, n_modes: int = 4, *, title: str | None = Non
         The figure; without dominant scales (or without kept profiles) the axes say why.
     """
     scales = list(report.per_scale)
-    n_panels = max(1, len(scales))
+    # a fixed panel count (the configured number of dominant scales) and so a fixed pixel size:
+    # pictures of one layer stay comparable from step to step, also as thumbnails
+    n_panels = max(1, int(report.config.get("n_dominant") or 4), len(scales))
     ncols = min(2, n_panels)
     nrows = math.ceil(n_panels / ncols)
     fig = _new_figure((4.2 * ncols + 0.6, 3.2 * nrows + 0.4))
@@ -479,6 +482,11 @@ def modes_figure(report: PODReport, n_modes: int = 4, *, title: str | None = Non
         "wspace": 0.3, "hspace": 0.6})).ravel()
     for ax in axes[n_panels:]:
         ax.set_axis_off()
+    for ax in axes[len(scales):n_panels]:
+        if scales:
+            ax.set_axis_off()
+            ax.text(0.5, 0.5, "no further dominant scale", ha="center", va="center", transform=ax.transAxes,
+                    fontsize=12, color="gray")
     if not scales:
         _message(axes[0], ["no POD modes: the report has no dominant scale"] + _status_lines(report))
         return fig
@@ -496,10 +504,10 @@ def modes_figure(report: PODReport, n_modes: int = 4, *, title: str | None = Non
             y = np.where(np.isfinite(prof[k]), prof[k], np.nan)
             ax.plot(lags, y, lw=1.2, label=f"φ{k + 1} ({ef})")
         ax.axhline(0.0, color="gray", lw=0.6)
-        ax.set_title(head, fontsize=9)
-        ax.set_xlabel("lag τ (tokens)", fontsize=8)
-        ax.tick_params(labelsize=7)
-        ax.legend(fontsize=7, title="mode (energy)", title_fontsize=7)
+        ax.set_title(head, fontsize=12)
+        ax.set_xlabel("lag τ (tokens)", fontsize=11)
+        ax.tick_params(labelsize=10)
+        ax.legend(fontsize=10, title="mode (energy)", title_fontsize=10)
         if sr.status != "ok":
             _note(ax, [f"fit status: {sr.status}"])
     _note(axes[0], _status_lines(report))
@@ -523,16 +531,50 @@ def coherency_figure(report: PODReport, *, title: str | None = None) -> Figure |
     fig = _new_figure((5.6, 4.8))
     _title(fig, title, f"cross-coherency γ_ij at a = {_fmt(report.coherency_scale)}")
     ax = fig.add_axes(_rect(fig, 0.65, 0.55, 1.1, 0.45))
-    gamma = _np(report.coherency)
+    gamma = _np(report.coherency).astype(float, copy=True)
+    if gamma.ndim == 2 and gamma.shape[0] == gamma.shape[1] and report.causal:
+        # METHOD.md section 6: a causal query sees keys j <= i only; above the diagonal gamma is undefined
+        gamma[np.triu_indices(gamma.shape[0], 1)] = np.nan
     if gamma.ndim != 2 or gamma.size == 0 or not np.isfinite(gamma).any():
         _message(ax, [f"no finite coherency value (shape {tuple(gamma.shape)})"] + _status_lines(report))
         return fig
+    # one colour scale for every layer and step: gamma lies in [0, 1]
     img = ax.imshow(np.ma.masked_invalid(gamma), vmin=0.0, vmax=1.0, cmap="magma", interpolation="nearest")
     fig.colorbar(img, cax=fig.add_axes(_rect(fig, 4.65, 0.55, 0.8, 0.45)), label="γ")
     ax.set_xlabel("key j")
     ax.set_ylabel("query i")
     n_bad = int(np.sum(~np.isfinite(gamma)))
-    _note(ax, _status_lines(report) + ([f"{n_bad} entries NaN (beyond the lag band): blank"] if n_bad else []))
+    what = "keys a causal query cannot see (j > i) and entries beyond the lag band" if report.causal else \
+        "entries beyond the lag band"
+    _note(ax, _status_lines(report) + ([f"blank: {what}"] if n_bad else []))
+    return fig
+
+
+def trend_heatmap_figure(title: str, steps: Sequence[int], layer_names: Sequence[str],
+                         values: np.ndarray, *, unit: str = "") -> Figure:
+    """One headline metric over layers (rows) and validation steps (columns), as a heatmap.
+
+    Args:
+        title: the metric's title (from the registry).
+        steps: the validation steps, (S,).
+        layer_names: the layers, (Lyr,).
+        values: (Lyr, S); NaN cells stay blank.
+        unit: shown on the colour bar.
+    """
+    vals = np.asarray(values, dtype=float)
+    fig = _new_figure((9.0, 4.5))
+    _title(fig, None, f"{title}: layers x validation steps")
+    ax = fig.add_axes(_rect(fig, 1.6, 0.8, 1.4, 0.7))
+    if vals.ndim != 2 or vals.size == 0 or not np.isfinite(vals).any():
+        _message(ax, ["no finite value yet"])
+        return fig
+    img = ax.imshow(np.ma.masked_invalid(vals), aspect="auto", cmap="viridis", interpolation="nearest")
+    fig.colorbar(img, cax=fig.add_axes(_rect(fig, 7.8, 0.8, 0.9, 0.7)), label=unit)
+    ax.set_yticks(range(len(layer_names)), [str(n) for n in layer_names], fontsize=11)
+    n = len(steps)
+    every = max(1, math.ceil(n / 8))
+    ax.set_xticks(range(0, n, every), [str(s) for s in list(steps)[::every]], fontsize=11)
+    ax.set_xlabel("step", fontsize=12)
     return fig
 
 
@@ -571,12 +613,12 @@ def head_allocation_figure(advice: Any, *, title: str | None = None) -> Figure:
     top = max(now + rec + [1.0])
     for i, r in enumerate(rows):
         hstar = "n/a" if r.effective_rank is None else f"{r.effective_rank}{'*' if r.saturated else ''}"
-        ax.text(x[i], max(now[i], rec[i]) + 0.03 * top, f"H*={hstar}", ha="center", va="bottom", fontsize=8)
+        ax.text(x[i], max(now[i], rec[i]) + 0.03 * top, f"H*={hstar}", ha="center", va="bottom", fontsize=11)
     ax.set_xticks(x)
-    ax.set_xticklabels([str(r.layer) for r in rows], rotation=30, ha="right", fontsize=8)
+    ax.set_xticklabels([str(r.layer) for r in rows], rotation=30, ha="right", fontsize=11)
     ax.set_ylabel("heads")
     ax.set_ylim(0, 1.2 * top)
-    ax.legend(fontsize=8, loc="upper right", title="* saturated", title_fontsize=7)
+    ax.legend(fontsize=11, loc="upper right", title="* saturated", title_fontsize=10)
     ax.grid(True, axis="y", alpha=0.3)
     return fig
 

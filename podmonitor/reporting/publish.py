@@ -14,9 +14,17 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from ..engine.report import PODReport
 from .delivery import Outputs
-from .figures import figure_to_array, head_allocation_figure, layer_images, scale_organisation_figure
+from .figures import (
+    figure_to_array,
+    head_allocation_figure,
+    layer_images,
+    scale_organisation_figure,
+    trend_heatmap_figure,
+)
 from .metrics import RUN_METRICS, LogPolicy, glossary_markdown, glossary_rows, registry
 from .scalars import layer_scalars, metric_tags, summary_markdown, summary_table
 from .sinks import read_json_lines, strict_jsonable
@@ -192,13 +200,14 @@ class Publisher:
             glossary = (glossary_markdown(eps, p), glossary_rows([*registry(eps), *RUN_METRICS]))
             self._glossary_sent = True
         trend = self._trend(step, per_layer, layer_names)
+        steps = list(self._steps)  # copies: the job may run after the next publish
         self.outputs.layer_names = list(layer_names)
         failures: list[str] = []
 
         def job() -> None:
             pictures: dict[str, Any] = {}
             if images and layer_reports:
-                pictures = self._pictures(reports, present, layer_reports, failures)
+                pictures = self._pictures(reports, present, layer_reports, failures, trend, steps)
                 if head_allocation is not None:
                     pictures[f"{p}/head_allocation"] = figure_to_array(head_allocation_figure(head_allocation))
                 for res in extras.values():
@@ -214,7 +223,7 @@ class Publisher:
                 sink.log_layer_scalars(per_layer, step)
                 sink.log_scalars(scalars, step)
                 for key, (title, series) in trend.items():
-                    sink.log_line_series(f"{p}/charts/{key}", self._steps, series, title, step)
+                    sink.log_line_series(f"{p}/charts/{key}", steps, series, title, step)
                 if pictures:
                     sink.log_images(pictures, step)
                 if sink.prefers_tables and table is not None:
@@ -239,7 +248,7 @@ class Publisher:
         else:
             job()
         self._pictured_last = bool(images)
-        self._last_args = (loggers, reports, list(layer_names), step)
+        self._last_args = (loggers, reports, list(layer_names), step, trend, steps)
         entry: dict[str, Any] = {
             "step": step,
             "epoch": epoch,
@@ -255,13 +264,22 @@ class Publisher:
         return entry
 
     def _pictures(self, reports: Mapping[str, PODReport], present: Sequence[str], layer_reports: Sequence[PODReport],
-                  failures: list[str]) -> dict[str, Any]:
+                  failures: list[str], trend: Mapping[str, Any] | None = None,
+                  steps: Sequence[int] = ()) -> dict[str, Any]:
+        """Every picture of a run; ``trend`` (copies of the headline series, see :meth:`_trend`) adds the
+        layers x steps heatmaps."""
         p = self.prefix
         pictures: dict[str, Any] = {}
         try:
             pictures[f"{p}/scale_organisation"] = figure_to_array(scale_organisation_figure(layer_reports, present))
             for name in present:
                 pictures.update(layer_images(reports[name], name, prefix=p))
+            layers = [n for n in present if "/" not in n]
+            metrics = {m.key: m for m in registry()}
+            for key, (title, series) in (trend or {}).items():
+                grid = np.array([series.get(n, [math.nan] * len(steps)) for n in layers], dtype=float)
+                fig = trend_heatmap_figure(title, steps, layers, grid, unit=metrics[key].unit if key in metrics else "")
+                pictures[f"{p}/trend/{key}"] = figure_to_array(fig)
         except Exception as err:  # noqa: BLE001 - a picture never costs the numbers
             self.outputs._failed("the pictures", "drawing", err, failures)
             return {}
@@ -272,7 +290,7 @@ class Publisher:
         pictures). Returns whether pictures were queued."""
         if self._last_args is None or self._pictured_last:
             return False
-        loggers, reports, layer_names, step = self._last_args
+        loggers, reports, layer_names, step, trend, steps = self._last_args
         present = [n for n in layer_names if n in reports]
         layer_reports = [reports[n] for n in present]
         if not layer_reports:
@@ -280,7 +298,7 @@ class Publisher:
         failures: list[str] = []
 
         def job() -> None:
-            pictures = self._pictures(reports, present, layer_reports, failures)
+            pictures = self._pictures(reports, present, layer_reports, failures, trend, steps)
             if pictures:
                 self.outputs.send(loggers, lambda sink: sink.log_images(pictures, step), failures)
 

@@ -177,3 +177,43 @@ def test_layer_images_tags(real_reports, flagged_reports):
         layer_images(real_reports[0], "x", which=("nope",))
     with pytest.raises(ValueError, match="which"):
         scalogram_figure(real_reports[0], "raw")
+
+
+def test_modes_figure_has_a_fixed_pixel_size_whatever_the_number_of_scales(real_reports):
+    import dataclasses
+
+    from podmonitor.reporting.figures import figure_to_array, modes_figure
+
+    one_scale = real_reports[3]
+    assert len(one_scale.per_scale) == 1
+    three = dataclasses.replace(one_scale, per_scale=one_scale.per_scale * 3)
+    none = dataclasses.replace(one_scale, per_scale=[])
+    shapes = {figure_to_array(modes_figure(r)).shape for r in (three, one_scale, none)}
+    assert len(shapes) == 1  # thumbnails of one layer line up from step to step
+
+
+def test_causal_coherency_map_is_masked_above_the_diagonal(real_reports):
+    import dataclasses
+
+    from podmonitor.reporting.figures import coherency_figure
+
+    rep = real_reports[1]
+    assert rep.causal and rep.coherency is not None
+    n = rep.coherency.shape[0]
+    full = dataclasses.replace(rep, coherency=np.full((n, n), 0.75))  # a map painted everywhere
+    fig = coherency_figure(full)
+    shown = fig.axes[0].images[0].get_array()
+    upper = np.triu(np.ones((n, n), dtype=bool), 1)
+    assert np.all(np.ma.getmaskarray(shown)[upper])  # j > i: blank
+    assert not np.any(np.ma.getmaskarray(shown)[~upper])  # j <= i: drawn
+    assert fig.axes[0].images[0].get_clim() == (0.0, 1.0)  # one colour scale for every layer
+
+
+def test_trend_heatmap_cells_are_the_values(real_reports):
+    from podmonitor.reporting.figures import trend_heatmap_figure
+
+    values = np.array([[1.0, 2.0, np.nan], [3.0, 4.0, 5.0]])
+    fig = trend_heatmap_figure("T_spec", [10, 20, 30], ["layer_00", "layer_01"], values)
+    shown = fig.axes[0].images[0].get_array()
+    np.testing.assert_array_equal(np.ma.filled(shown, -1.0), [[1.0, 2.0, -1.0], [3.0, 4.0, 5.0]])
+    assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == ["layer_00", "layer_01"]
