@@ -120,14 +120,14 @@ def _eps_metrics(eps: Sequence[float]) -> list[Metric]:
     out = []
     for i, e in enumerate(eps):
         out.append(Metric(
-            effective_rank_key(e), f"effective rank H*({e:g}) [modes for {_pct(e)} % of the energy]", "modes",
-            f"H*({e:g}): the fewest POD modes whose energy is {_pct(e)} % of the layer's fluctuation energy at its "
+            effective_rank_key(e), f"effective rank H*({e:.2f}) [modes for {_pct(e)} % of the energy]", "modes",
+            f"H*({e:.2f}): the fewest POD modes whose energy is {_pct(e)} % of the layer's fluctuation energy at its "
             "top dominant scale; small = few recurring attention patterns.",
             "headline" if i == 0 else "fit", _rank(e)))
     for e in eps:
         out.append(Metric(
-            f"saturated_{_pct(e)}pct", f"H*({e:g}) needs every mode (1 = yes)", "",
-            f"1 when H*({e:g}) reaches the number of non-zero eigenvalues: the ensemble is too small to resolve "
+            f"saturated_{_pct(e)}pct", f"H*({e:.2f}) needs every mode (1 = yes)", "",
+            f"1 when H*({e:.2f}) reaches the number of non-zero eigenvalues: the ensemble is too small to resolve "
             "the rank (use more snapshots).", "health", _saturated(e), log="nonzero"))
     return out
 
@@ -167,8 +167,8 @@ def registry(eps: Sequence[float] = (0.10, 0.05, 0.01)) -> list[Metric]:
         Metric("error_bound", "eigenvalue error bound (sketch mode)", "",
                "Bounded-memory mode: guaranteed bound on every eigenvalue's error.", "sketch",
                _sketch("error_bound")),
-        *[Metric(f"beyond_resolved_{_pct(e)}pct", f"H*({e:g}) beyond the resolved rank (1 = yes, sketch mode)", "",
-                 f"Bounded-memory mode: 1 when H*({e:g}) is more than the resolved rank R (its effective-rank value "
+        *[Metric(f"beyond_resolved_{_pct(e)}pct", f"H*({e:.2f}) beyond the resolved rank (1 = yes, sketch mode)", "",
+                 f"Bounded-memory mode: 1 when H*({e:.2f}) is more than the resolved rank R (its effective-rank value "
                  "is then NaN and the record gives bounds).", "sketch", _beyond(e)) for e in eps],
         Metric("analysis_seconds", "analysis time per layer [s]", "s",
                "Wall time of the layer's analysis at the end of the validation run.", "cost",
@@ -292,5 +292,16 @@ def glossary_markdown(eps: Sequence[float] = (0.10, 0.05, 0.01), prefix: str = "
     return "\n".join(lines)
 
 
+def readme_table(eps: Sequence[float] = (0.10, 0.05, 0.01), prefix: str = "pod") -> str:
+    """The README's metric list (tests/reporting/test_scalars.py checks that the README holds it)."""
+    lines = ["| tag | title | meaning |", "|---|---|---|"]
+    per_layer = {m.key for m in registry(eps)}
+    for m in [*registry(eps), *RUN_METRICS]:
+        where = " (per layer)" if m.key in per_layer else ""
+        rule = {"nonzero": " Logged only when not 0.", "changes": " Logged when it changes."}.get(m.log, "")
+        lines.append(f"| `{m.tag(prefix)}`{where} | {m.title} | {m.description}{rule} |")
+    return "\n".join(lines)
+
+
 __all__ = ["GROUPS", "RUN_METRICS", "STABILITY", "LogPolicy", "Metric", "by_key", "effective_rank_key",
-           "glossary_markdown", "glossary_rows", "layer_metrics", "registry"]
+           "glossary_markdown", "glossary_rows", "layer_metrics", "readme_table", "registry"]

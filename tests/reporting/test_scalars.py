@@ -134,3 +134,13 @@ def test_summary_markdown(real_reports, flagged_reports):
     assert "- **layer_01** (zero_variance): all snapshots are identical" in md
     with pytest.raises(ValueError):
         summary_markdown(real_reports, ["a"])
+
+
+def test_readme_metric_list_is_the_registry():
+    from pathlib import Path
+
+    from podmonitor.reporting.metrics import readme_table
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    block = readme.split("<!-- metrics:start -->\n", 1)[1].split("\n<!-- metrics:end -->", 1)[0]
+    assert block == readme_table()
