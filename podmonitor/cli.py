@@ -81,6 +81,7 @@ class PODMonitorCLI(LightningCLI):
         from .callback import PODMonitor
 
         trainer = self.trainer
+        log_dir = trainer.log_dir  # a collective in DDP (a broadcast): read on every rank, before the rank test
         if not trainer.is_global_zero:
             return
         lines = [""]
@@ -98,9 +99,9 @@ class PODMonitorCLI(LightningCLI):
                 lines.append(f"PODMonitor, last monitored validation run (step {step}):")
                 lines.append(table)
                 lines.append(f"full reports (JSON lines): {os.path.join(monitor.run_dir(trainer), 'podmonitor.jsonl')}")
-        if trainer.log_dir:
-            root = trainer.logger.save_dir if trainer.logger is not None else trainer.log_dir
-            lines.append(f"logs: {trainer.log_dir}")
+        if log_dir:
+            root = trainer.logger.save_dir if trainer.logger is not None else log_dir
+            lines.append(f"logs: {log_dir}")
             lines.append(f"open them with: tensorboard --logdir {root}   (then http://localhost:6006)")
         ckpt = getattr(trainer.checkpoint_callback, "last_model_path", "") or getattr(
             trainer.checkpoint_callback, "best_model_path", "")
