@@ -11,7 +11,7 @@ What it does:
 1. A ``generate`` subprocess builds one synthetic causal attention ensemble per
    layer (default: paper size, N = 150 snapshots, L = 256, 6 layers) and saves
    it as ``.npy`` files in a temporary directory created once.
-2. A ``naive`` subprocess runs ``benchmarks/naive_reference.py`` on every layer;
+2. A ``naive`` subprocess runs ``tests/naive_reference.py`` (numpy only) on every layer;
    an ``engine`` subprocess runs ``podmonitor.analyze`` on the same files. Each
    first analyses a small ensemble of another length, untimed (one-time start-up), then
    measures its wall time over all layers and its memory: peak RSS
@@ -239,7 +239,7 @@ def _finite(x: float) -> float | None:
 
 def side_naive(args: argparse.Namespace) -> None:
     """Run the naive reference on every layer; write results_naive.json."""
-    import naive_reference as naive
+    from tests import naive_reference as naive  # (tests/__init__.py imports nothing: numpy only)
 
     set_threads(args.threads)
     tmp = Path(args.tmp)

@@ -105,7 +105,7 @@ def coherency_memory(seq_len: int) -> None:
     acc.update(torch.softmax(logits.masked_fill(~causal, -torch.inf), dim=-1))  # 4 causal fields
     del logits
     before = peak_rss_mib()
-    acc._coherency(8.0)  # the map the report would carry, at a fixed scale
+    acc.store.coherency(8.0, causal=True).compute()  # the map the report would carry, at a fixed scale
     grown = peak_rss_mib() - before
     unit = seq_len * seq_len * 8 / 2**20
     print(f"  L = {seq_len:5d}: peak RSS grew {grown:7.1f} MiB = {grown / unit:4.1f} L^2 values")

@@ -1,4 +1,4 @@
-"""Checks of the naive reference (benchmarks/naive_reference.py) against independent facts.
+"""Checks of the naive reference (tests/naive_reference.py) against independent facts.
 
 The naive reference is the oracle of the engine, so it is itself checked here
 against things it does not compute: PyWavelets' CWT, the analytic position of
@@ -7,22 +7,14 @@ a planted oscillation's scale, and the POD optimality identity.
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-pywt = pytest.importorskip("pywt")
+from tests import naive_reference as naive
 
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "naive_reference.py"
-_spec = importlib.util.spec_from_file_location("naive_reference", _PATH)
-assert _spec is not None and _spec.loader is not None
-naive = importlib.util.module_from_spec(_spec)
-sys.modules["naive_reference"] = naive
-_spec.loader.exec_module(naive)
+pywt = pytest.importorskip("pywt")
 
 SCALES = 2.0 ** np.linspace(1.0, 6.0, 20)
 

@@ -65,6 +65,33 @@ class CoherencyAccumulator:
         self.power = torch.zeros(seq_len, seq_len, dtype=dtype, device=device)  # sum |W_i(j)|^2
         self.n = 0
 
+    #: the three (L, L) ensemble sums kept between updates
+    SUMS = ("cross_re", "cross_im", "power")
+
+    @classmethod
+    def state_bytes(cls, seq_len: int, dtype: torch.dtype) -> int:
+        """Bytes of the sums kept between updates (three (L, L) arrays)."""
+        return len(cls.SUMS) * seq_len * seq_len * dtype.itemsize
+
+    @staticmethod
+    def compute_bytes(seq_len: int, dtype: torch.dtype) -> int:
+        """Bytes computing a map from stored snapshots needs: its three sums, the cross vectors and
+        their products, the transform operator and one step of transforms (about 10 L^2 values; above
+        :data:`FFT_ABOVE` the per-snapshot FFTs of (L, 2L) complex rows take more, about 18 L^2), plus
+        three steps of ``SUB_BYTES``. ``benchmarks/bench_engine_parts.py --coherency-memory`` measures it."""
+        per_l2 = 10 if seq_len <= FFT_ABOVE else 18
+        return per_l2 * seq_len * seq_len * dtype.itemsize + 3 * SUB_BYTES
+
+    def nbytes(self) -> int:
+        """Bytes of the sums held now."""
+        return sum(getattr(self, name).numel() * getattr(self, name).element_size() for name in self.SUMS)
+
+    def merge(self, other: CoherencyAccumulator) -> None:
+        """Add another accumulator's sums (same length and scale)."""
+        for name in self.SUMS:
+            getattr(self, name).add_(getattr(other, name).to(self.power.device))
+        self.n += other.n
+
     def _row_blocks(self) -> list[tuple[int, int, int, int]]:
         """(first row, stop row, keys used, positions computed) for each block of query rows."""
         seq_len = self.seq_len

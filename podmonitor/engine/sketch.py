@@ -73,7 +73,7 @@ def gram_of_rows(rows: list[Tensor], weights: Tensor | None, dtype: torch.dtype)
     device = rows[0].device
     width = weights.numel() if weights is not None else rows[0].shape[1]
     gram = torch.zeros(m, m, dtype=dtype, device=device)
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     for c0, c1 in _column_blocks(m, width, itemsize):
         y = _stacked(rows, c0, c1, dtype)
         if weights is not None:
@@ -140,8 +140,8 @@ class FrequentDirections:
     @staticmethod
     def state_bytes(n_cols: int, rank: int, dtype: torch.dtype, storage_dtype: torch.dtype) -> int:
         """Bytes of the state: mean and m2 (2 P in ``dtype``) plus the 2 l x P buffer."""
-        c = torch.empty((), dtype=dtype).element_size()
-        s = torch.empty((), dtype=storage_dtype).element_size()
+        c = dtype.itemsize
+        s = storage_dtype.itemsize
         return 2 * n_cols * c + 2 * rank * n_cols * s
 
     # ----------------------------------------------------------------- update
@@ -196,7 +196,7 @@ class FrequentDirections:
         coef = torch.where(keep > delta, torch.sqrt((keep - delta).clamp_min(0) / keep.clamp_min(1e-300)),
                            torch.zeros_like(keep))
         mix = coef.unsqueeze(1) * u[:, : self.rank].T  # (l, m): new rows = mix @ rows
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        itemsize = self.dtype.itemsize
         for c0, c1 in _column_blocks(m, self.n_cols, itemsize):
             # (l, w) product formed in full before it overwrites the block it reads
             self.buffer[: self.rank, c0:c1] = (mix @ rows[:, c0:c1].to(self.dtype)).to(self.storage_dtype)
@@ -333,7 +333,7 @@ def sketch_pod(fd: FrequentDirections, weights: Tensor, *, n_modes: int = 8, flo
     if k_modes:
         coef = v[:, :k_modes] if mix is None else mix.T @ v[:, :k_modes]  # (m, K)
         coef = coef / torch.sqrt(n * lam_c[:k_modes])
-        itemsize = torch.empty((), dtype=dt).element_size()
+        itemsize = dt.itemsize
         for c0, c1 in _column_blocks(int(coef.shape[0]), width, itemsize):
             y = _stacked(rows, c0, c1, dt) * w[c0:c1]
             modes[:, c0:c1] = coef.T @ y

@@ -1,4 +1,5 @@
-"""Spectral concentration index T_spec and effective rank H*(eps) (METHOD.md section 5).
+"""Spectral concentration index T_spec and effective rank H*(eps) (METHOD.md section 5): every fit
+and rank function of the engine.
 
 Vocabulary after WeightWatcher: every fitted exponent comes with its fit quality (R^2), the
 number of points it used and a status; a failed fit says so and returns NaN, never a made-up
@@ -97,3 +98,123 @@ def effective_rank(eigenvalues: Tensor, eps: tuple[float, ...] = (0.10, 0.05, 0.
         ranks[e] = k
         saturated[e] = k >= n_nonzero
     return EffectiveRank(ranks, saturated, n_nonzero)
+
+
+def sketch_effective_rank(eigenvalues: Tensor, lower: Tensor, error_bound: float, total: float,
+                          eps: tuple[float, ...], resolved_rank: int
+                          ) -> tuple[dict[float, int | None], dict[float, list[int | None]], dict[float, bool],
+                                     dict[float, bool]]:
+    """H*(eps) from sketch eigenvalues, with guaranteed bounds (METHOD.md section 5).
+
+    With ``lower_k <= lambda_k <= lower_k + e`` and the exact total T: the top-K sum of the true
+    eigenvalues lies in ``[S_K, S_K + min(K e, T - S_m)]`` (Ky Fan), ``S_K`` the top-K sum of
+    ``lower`` and ``T - S_m`` the energy the sketch misses. So ``H_hi`` = the smallest K with
+    ``T - S_K <= eps T`` is an upper bound, ``H_lo`` = the smallest K with
+    ``T - S_K - min(K e, T - S_m) <= eps T`` a lower bound.
+
+    Args:
+        eigenvalues: (m,) estimates, descending.
+        lower: (m,) guaranteed lower bounds, descending.
+        error_bound: e.
+        total: T, the exact sum of all eigenvalues.
+        eps: the tolerances.
+        resolved_rank: R.
+
+    Returns:
+        ranks: eps -> H*(eps) of the estimates when it is at most R, else None ("more than R").
+        bounds: eps -> [H_lo, H_hi] (H_hi None when even all m sketch eigenvalues fall short).
+        beyond: eps -> whether H*(eps) is beyond the resolved rank.
+        saturated: eps -> False (a sketch cannot say that every mode is needed).
+    """
+    lam = eigenvalues.to(torch.float64)
+    lo = lower.to(torch.float64)
+    m = int(lam.numel())
+    zero = torch.zeros(1, dtype=torch.float64)
+    s_est = torch.cat([zero, lam.cumsum(0)])  # S_K for K = 0..m
+    s_lo = torch.cat([zero, lo.cumsum(0)])
+    missing = max(0.0, total - float(s_lo[-1]))
+    k = torch.arange(m + 1, dtype=torch.float64)
+    slack = torch.clamp(k * error_bound, max=missing)
+    ranks: dict[float, int | None] = {}
+    bounds: dict[float, list[int | None]] = {}
+    beyond: dict[float, bool] = {}
+    for e in eps:
+        target = e * total
+
+        def first(ok: Tensor) -> int | None:
+            idx = torch.nonzero(ok)
+            return int(idx[0]) if idx.numel() else None
+
+        h_hi = first(total - s_lo <= target)
+        h_lo = first(total - s_lo - slack <= target)
+        if h_lo is None:  # even all m sketch eigenvalues plus the slack fall short
+            h_lo = m + 1
+        h_est = first(total - s_est <= target)
+        if h_est is not None:  # the estimate's own H* lies within the guaranteed bounds
+            h_est = max(h_est, h_lo) if h_hi is None else min(max(h_est, h_lo), h_hi)
+        ok = total > 0 and h_est is not None and h_est <= resolved_rank
+        ranks[e] = h_est if ok else None
+        bounds[e] = [h_lo, h_hi]
+        beyond[e] = total > 0 and not ok
+    return ranks, bounds, beyond, {e: False for e in eps}
+
+
+@dataclass(frozen=True)
+class SpectrumSummary:
+    """Fit and ranks of one scale's POD spectrum, exact or bounded.
+
+    Attributes:
+        fit: the power-law fit (on the resolved eigenvalues).
+        effective_rank: eps -> H*(eps) (None: no energy, or beyond the resolved rank).
+        saturated: eps -> whether H*(eps) needs every non-zero mode.
+        n_nonzero: eigenvalues above the relative floor.
+        resolved_rank: R (exact: the non-zero eigenvalues).
+        effective_rank_bounds: eps -> [lower, upper] guaranteed bounds ([H, H] when exact).
+        beyond_resolved: eps -> whether H*(eps) lies beyond R.
+    """
+
+    fit: SpectralFit
+    effective_rank: dict[float, int | None]
+    saturated: dict[float, bool]
+    n_nonzero: int
+    resolved_rank: int
+    effective_rank_bounds: dict[float, list[int | None]]
+    beyond_resolved: dict[float, bool]
+
+
+def summarise_spectrum(eigenvalues: Tensor, *, lower: Tensor | None, error_bound: float, total: float,
+                       k_fit: int, floor: float, eps: tuple[float, ...], resolve_factor: float) -> SpectrumSummary:
+    """T_spec and H*(eps) of a POD spectrum: exact (``lower`` None) or known within ``error_bound``.
+
+    Exact eigenvalues: the fit on the leading ``k_fit`` eigenvalues and :func:`effective_rank`.
+    Bounded estimates (``lower_k <= lambda_k <= lower_k + error_bound``): the resolved rank R
+    counts the estimates of at least ``resolve_factor * error_bound`` (all non-zero ones when the
+    bound is 0), the fit uses only those, and :func:`sketch_effective_rank` gives H*(eps) with
+    guaranteed bounds.
+
+    Args:
+        eigenvalues: (K,) descending.
+        lower: (K,) guaranteed lower bounds, or None for exact eigenvalues.
+        error_bound: e (0 for exact eigenvalues).
+        total: the exact sum of all eigenvalues.
+        k_fit, floor, eps: as in :class:`~podmonitor.engine.config.PODConfig`.
+        resolve_factor: ``PODConfig.sketch_resolve_factor``.
+    """
+    lam = eigenvalues
+    if lower is None:
+        fit = spectral_fit(lam, k_fit, floor)
+        er = effective_rank(lam, eps, floor)
+        return SpectrumSummary(fit, er.ranks, er.saturated, er.n_nonzero, er.n_nonzero,
+                               {e: [r, r] for e, r in er.ranks.items()}, {e: False for e in er.ranks})
+    lam1 = float(lam[0]) if lam.numel() else 0.0
+    n_nonzero = int((lam > floor * lam1).sum()) if lam1 > 0 else 0
+    if error_bound > 0:
+        resolved = int((lam >= resolve_factor * error_bound).sum())
+    else:  # nothing was shrunk away: the estimates are the exact eigenvalues
+        resolved = n_nonzero
+    fit = spectral_fit(lam[:resolved], k_fit, floor)
+    ranks, bounds, beyond, saturated = sketch_effective_rank(lam.cpu(), lower.cpu(), error_bound, total, eps,
+                                                             resolved)
+    if error_bound == 0:  # exact: "needs every mode" is decidable
+        saturated = {e: r is not None and r >= n_nonzero for e, r in ranks.items()}
+    return SpectrumSummary(fit, ranks, saturated, n_nonzero, resolved, bounds, beyond)

@@ -198,7 +198,7 @@ def _state_snapshot(acc):
 
 
 def test_failure_while_adding_leaves_the_accumulator_as_it_was(monkeypatch):
-    import podmonitor.engine.accumulator as accmod
+    import podmonitor.engine.running as accmod  # the entropy is a step of the running state
 
     def failing(*args, **kwargs):
         raise MemoryError("simulated")
@@ -265,25 +265,26 @@ def test_non_contiguous_and_converted_input_match_the_literal_moments():
 
 def test_sketch_is_fed_in_bounded_parts(monkeypatch):
     import podmonitor.engine.accumulator as accmod
+    import podmonitor.engine.store as storemod
 
     cfg = PODConfig(n_dominant=1, mode="sketch", sketch_rank=8, coherency=False)
     fields = random_causal_fields(40, 16, seed=32)
     acc = PODAccumulator(cfg)
     sizes = []
-    real = PODAccumulator._sketch_band_rows
+    real = storemod.SketchStore.add
 
     def recording(self, rows):
         sizes.append(rows.shape[0])
         return real(self, rows)
 
-    monkeypatch.setattr(PODAccumulator, "_sketch_band_rows", recording)
+    monkeypatch.setattr(storemod.SketchStore, "add", recording)
     row_bytes = 136 * 8  # 16 * 17 / 2 band entries of float64
-    monkeypatch.setattr(accmod, "SKETCH_FEED_BYTES", 7 * row_bytes)
+    monkeypatch.setattr(storemod, "SKETCH_FEED_BYTES", 7 * row_bytes)
     monkeypatch.setattr(accmod, "SUB_BYTES", 3 * 16 * 16 * 8)  # steps of 3 fields
     acc.update(fields)
     assert sum(sizes) == 40 and max(sizes) <= 7 and acc.sketch.n == 40
     whole = PODAccumulator(cfg)
-    monkeypatch.setattr(accmod, "SKETCH_FEED_BYTES", 2**30)
+    monkeypatch.setattr(storemod, "SKETCH_FEED_BYTES", 2**30)
     whole.update(fields)  # the mean, moments and entropies do not depend on the parts
     torch.testing.assert_close(acc.m2_back, whole.m2_back, rtol=1e-12, atol=1e-15)
     torch.testing.assert_close(acc.entropy_sum, whole.entropy_sum, rtol=1e-13, atol=0)
