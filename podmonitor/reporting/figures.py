@@ -455,62 +455,47 @@ def spectrum_figure(report: PODReport, *, title: str | None = None) -> Figure:
 
 
 def modes_figure(report: PODReport, n_modes: int = 4, *, title: str | None = None) -> Figure:
-    """Lag profiles phi_k(tau) of the leading POD modes, one subplot per dominant scale.
+    """Lag profiles phi_k(tau) of the leading POD modes at the layer's top dominant scale.
 
-    The top dominant scale comes first; the legend gives each mode's energy fraction
-    (``lambda_k / sum lambda``).
+    One panel, one size, whatever the number of dominant scales: the pictures of a layer line up
+    from step to step and stay legible as thumbnails (the modes at the other scales are in the
+    JSON-lines record). The legend gives each mode's energy fraction (``lambda_k / sum lambda``).
 
     Args:
         report: the analysis of one layer.
-        n_modes: at most this many modes per scale (fewer when the report kept fewer).
+        n_modes: at most this many modes (fewer when the report kept fewer).
         title: goes in front of the figure title.
 
     Returns:
         The figure; without dominant scales (or without kept profiles) the axes say why.
     """
-    scales = list(report.per_scale)
-    # a fixed panel count (the configured number of dominant scales) and so a fixed pixel size:
-    # pictures of one layer stay comparable from step to step, also as thumbnails
-    n_panels = max(1, int(report.config.get("n_dominant") or 4), len(scales))
-    ncols = min(2, n_panels)
-    nrows = math.ceil(n_panels / ncols)
-    fig = _new_figure((4.2 * ncols + 0.6, 3.2 * nrows + 0.4))
+    fig = _new_figure((7.0, 4.5))
     _title(fig, title, "POD mode lag profiles φ_k(τ)")
-    w, h = fig.get_size_inches()
-    axes = np.atleast_1d(fig.subplots(nrows, ncols, squeeze=False, gridspec_kw={
-        "left": 0.6 / w, "right": 1 - 0.15 / w, "bottom": 0.5 / h, "top": 1 - 0.6 / h,
-        "wspace": 0.3, "hspace": 0.6})).ravel()
-    for ax in axes[n_panels:]:
-        ax.set_axis_off()
-    for ax in axes[len(scales):n_panels]:
-        if scales:
-            ax.set_axis_off()
-            ax.text(0.5, 0.5, "no further dominant scale", ha="center", va="center", transform=ax.transAxes,
-                    fontsize=12, color="gray")
+    ax = fig.add_axes(_rect(fig, 0.9, 0.75, 0.25, 0.75))
+    scales = list(report.per_scale)
     if not scales:
-        _message(axes[0], ["no POD modes: the report has no dominant scale"] + _status_lines(report))
+        _message(ax, ["no POD modes: the report has no dominant scale"] + _status_lines(report))
         return fig
-    for idx, (ax, sr) in enumerate(zip(axes, scales, strict=False)):
-        head = f"a*={_fmt(sr.scale)}" + (" (top)" if idx == 0 else "")
-        prof = _np(sr.mode_lag_profiles)
-        lags = _np(sr.lags)
-        frac = _np(sr.energy_fractions)
-        n = min(max(0, int(n_modes)), prof.shape[0] if prof.ndim == 2 else 0)
-        if n == 0 or prof.ndim != 2 or lags.ndim != 1 or prof.shape[1] != lags.size or lags.size == 0:
-            _message(ax, [f"{head}: no mode lag profile to draw ({sr.status})"])
-            continue
-        for k in range(n):
-            ef = f"{100 * frac[k]:.1f}%" if k < frac.size and np.isfinite(frac[k]) else "n/a"
-            y = np.where(np.isfinite(prof[k]), prof[k], np.nan)
-            ax.plot(lags, y, lw=1.2, label=f"φ{k + 1} ({ef})")
-        ax.axhline(0.0, color="gray", lw=0.6)
-        ax.set_title(head, fontsize=12)
-        ax.set_xlabel("lag τ (tokens)", fontsize=11)
-        ax.tick_params(labelsize=10)
-        ax.legend(fontsize=10, title="mode (energy)", title_fontsize=10)
-        if sr.status != "ok":
-            _note(ax, [f"fit status: {sr.status}"])
-    _note(axes[0], _status_lines(report))
+    sr = scales[0]
+    head = f"top dominant scale a* = {_fmt(sr.scale)} tokens"
+    prof = _np(sr.mode_lag_profiles)
+    lags = _np(sr.lags)
+    frac = _np(sr.energy_fractions)
+    n = min(max(0, int(n_modes)), prof.shape[0] if prof.ndim == 2 else 0)
+    if n == 0 or prof.ndim != 2 or lags.ndim != 1 or prof.shape[1] != lags.size or lags.size == 0:
+        _message(ax, [f"{head}: no mode lag profile to draw ({sr.status})"])
+        return fig
+    for k in range(n):
+        ef = f"{100 * frac[k]:.1f}%" if k < frac.size and np.isfinite(frac[k]) else "n/a"
+        y = np.where(np.isfinite(prof[k]), prof[k], np.nan)
+        ax.plot(lags, y, lw=1.6, label=f"φ{k + 1} ({ef})")
+    ax.axhline(0.0, color="gray", lw=0.6)
+    ax.set_title(head + " (top)", fontsize=12)
+    ax.set_xlabel("lag τ (tokens)", fontsize=12)
+    ax.tick_params(labelsize=11)
+    ax.legend(fontsize=11, title="mode (energy)", title_fontsize=11)
+    notes = _status_lines(report) + ([f"fit status: {sr.status}"] if sr.status != "ok" else [])
+    _note(ax, notes)
     return fig
 
 
@@ -544,8 +529,7 @@ def coherency_figure(report: PODReport, *, title: str | None = None) -> Figure |
     ax.set_xlabel("key j")
     ax.set_ylabel("query i")
     n_bad = int(np.sum(~np.isfinite(gamma)))
-    what = "keys a causal query cannot see (j > i) and entries beyond the lag band" if report.causal else \
-        "entries beyond the lag band"
+    what = "j > i (not visible) or beyond the lag band" if report.causal else "beyond the lag band"
     _note(ax, _status_lines(report) + ([f"blank: {what}"] if n_bad else []))
     return fig
 
