@@ -92,6 +92,10 @@ class PODMonitor(MonitorCallback):
         strict: re-raise errors inside the monitor instead of warning.
         dataloader_idx: the validation loader to monitor (default 0, the first); batches of the
             other loaders are ignored, with one message saying so.
+        coherency_max_len: the cross-coherency map (METHOD.md section 6; a picture, and by far the
+            costliest part of the analysis at long contexts: 25 s per layer at L = 1024) is computed
+            on picture runs for sequences up to this length (default 512); raise it to see the map
+            of longer sequences, or set ``PODConfig(coherency=False)`` for none.
         extras: extra analyses run on the same monitored batches and published with the POD
             metrics (:class:`~podmonitor.extras.MonitorExtra`; for example
             :class:`~podmonitor.pruning.HeadImportanceProbe`).
@@ -124,6 +128,7 @@ class PODMonitor(MonitorCallback):
         readiness: AdviceReadiness | None = None,
         dataloader_idx: int = 0,
         extras: Sequence[MonitorExtra] = (),
+        coherency_max_len: int = 512,
     ) -> None:
         if not isinstance(n_snapshots, int) or n_snapshots < 3:
             raise ValueError(f"n_snapshots must be an int >= 3, got {n_snapshots!r}")
@@ -162,6 +167,7 @@ class PODMonitor(MonitorCallback):
         self.prefix = prefix
         self.strict = strict
         self.dataloader_idx = dataloader_idx
+        self.coherency_max_len = int(coherency_max_len)
         self.extras = extras
         self.last_extras: dict[str, ExtraResult] = {}
         self.last_stability: dict[str, dict[str, float]] = {}  # {layer: {metric key: value}}
@@ -391,7 +397,7 @@ class PODMonitor(MonitorCallback):
             config = self.config
             if captured.causal is not None and config.causal is None:
                 config = _replace(config, causal=captured.causal)
-            if config.coherency and not self._picture_run:
+            if config.coherency and (not self._picture_run or captured.seq_len > self.coherency_max_len):
                 # METHOD.md section 6: a picture, by far the costliest part at long contexts
                 config = _replace(config, coherency=False)
             elif config.coherency and config.coherency_scale is None:
