@@ -21,6 +21,10 @@ What it does:
 3. The parent (which loads nothing large itself, so that no child inherits a
    large high-water mark) compares the two and prints the table and the targets:
    speed ratio >= 30, lower memory, eigenvalues within 1e-6 relative.
+   Like for like, both sides run with the coherency map and both without it (``--coherency``
+   both, the default; or only "with" / "without"), and ``--rounds R`` repeats every side R times,
+   alternating (naive with, engine with, naive without, engine without, then again), and reports
+   medians: on a shared machine single timings drift.
 4. ``--large`` (default on): the engine alone at N = 1000, L = 1024, one layer,
    fed in batches of 50 snapshots through ``PODAccumulator`` (``analyze`` on the
    whole ensemble if there is no accumulator), generated batch by batch.
@@ -245,7 +249,8 @@ def side_naive(args: argparse.Namespace) -> None:
     tmp = Path(args.tmp)
     layers = _load_layers(tmp, args.layers)
     t0 = time.perf_counter()
-    naive.analyze_naive(_warmup_fields())  # one-time start-up, not timed (see _warmup_fields)
+    with_coherency = args.coherency == "with"
+    naive.analyze_naive(_warmup_fields(), with_coherency=with_coherency)  # one-time start-up, not timed
     warmup = time.perf_counter() - t0
     rss_base = current_rss_mib()
 
@@ -253,7 +258,7 @@ def side_naive(args: argparse.Namespace) -> None:
     t_all = time.perf_counter()
     for fields in layers:
         t0 = time.perf_counter()
-        out = naive.analyze_naive(fields)
+        out = naive.analyze_naive(fields, with_coherency=with_coherency)
         times.append(time.perf_counter() - t0)
         results.append(
             {
@@ -270,7 +275,7 @@ def side_naive(args: argparse.Namespace) -> None:
             }
         )
     wall = time.perf_counter() - t_all
-    _write_side(tmp / "results_naive.json", results, times, wall, rss_base, warmup)
+    _write_side(tmp / f"results_naive_{args.coherency}.json", results, times, wall, rss_base, warmup)
 
 
 def side_engine(args: argparse.Namespace) -> None:
@@ -291,7 +296,8 @@ def side_engine(args: argparse.Namespace) -> None:
             torch.cuda.synchronize(device)
 
     t0 = time.perf_counter()
-    analyze(torch.from_numpy(_warmup_fields()).to(device), config=PODConfig())  # start-up, not timed
+    config = PODConfig(coherency=args.coherency == "with")
+    analyze(torch.from_numpy(_warmup_fields()).to(device), config=config)  # start-up, not timed
     sync()
     warmup = time.perf_counter() - t0
     results, times = [], []
@@ -299,7 +305,7 @@ def side_engine(args: argparse.Namespace) -> None:
     t_all = time.perf_counter()
     for fields in layers:
         t0 = time.perf_counter()
-        report = analyze(fields, config=PODConfig())
+        report = analyze(fields, config=config)
         sync()
         times.append(time.perf_counter() - t0)
         results.append(
@@ -318,7 +324,7 @@ def side_engine(args: argparse.Namespace) -> None:
             }
         )
     wall = time.perf_counter() - t_all
-    _write_side(tmp / "results_engine.json", results, times, wall, rss_base, warmup)
+    _write_side(tmp / f"results_engine_{args.coherency}.json", results, times, wall, rss_base, warmup)
 
 
 def _write_side(
@@ -428,8 +434,8 @@ def side_large(args: argparse.Namespace) -> None:
 # ---------------------------------------------------------------------------
 
 
-def run_child(side: str, args: argparse.Namespace, tmp: Path) -> tuple[bool, str]:
-    """Re-invoke this script for one side; returns (ok, error text)."""
+def run_child(side: str, args: argparse.Namespace, tmp: Path, coherency: str = "with") -> tuple[bool, str]:
+    """Re-invoke this script for one side (with or without the coherency map); returns (ok, error text)."""
     cmd = [
         sys.executable,
         str(Path(__file__).resolve()),
@@ -453,11 +459,14 @@ def run_child(side: str, args: argparse.Namespace, tmp: Path) -> tuple[bool, str
         str(args.large_seq_len),
         "--batch",
         str(args.batch),
+        "--coherency",
+        coherency,
     ]
     if args.threads is not None:
         cmd += ["--threads", str(args.threads)]
     cmd += ["--device", args.device]
-    print(f"[bench] running {side} side ...", flush=True)
+    label = f"{side} side" + ("" if side in ("generate", "large") else f" ({coherency} coherency)")
+    print(f"[bench] running {label} ...", flush=True)
     try:
         proc = subprocess.run(
             cmd, env=child_env(args.threads), capture_output=True, text=True, timeout=args.timeout
@@ -467,6 +476,22 @@ def run_child(side: str, args: argparse.Namespace, tmp: Path) -> tuple[bool, str
     if proc.returncode != 0:
         return False, (proc.stderr or proc.stdout).strip()[-3000:]
     return True, ""
+
+
+def median_run(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """One side's results over alternating rounds: the first round's numbers, with the median wall
+    time, the per-layer median times and the largest memory figures."""
+    if not runs:
+        return None
+    import statistics
+
+    out = dict(runs[0])
+    out["wall_s"] = statistics.median(r["wall_s"] for r in runs)
+    out["layer_times_s"] = [statistics.median(t) for t in zip(*(r["layer_times_s"] for r in runs), strict=True)]
+    for key in ("peak_rss_mib", "increment_mib"):
+        out[key] = max(r[key] for r in runs)
+    out["numbers_identical_across_rounds"] = all(r["layers"] == runs[0]["layers"] for r in runs)
+    return out
 
 
 def _same_scale(a: float, b: float) -> bool:
@@ -693,6 +718,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--large-n", type=int, default=1000)
     ap.add_argument("--large-seq-len", type=int, default=1024)
     ap.add_argument("--batch", type=int, default=LARGE_BATCH, help="snapshots per update (large)")
+    ap.add_argument("--coherency", choices=["with", "without", "both"], default="both",
+                    help="compare both sides with the coherency map, without it, or both ways (default)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run every side this many times, alternating, and report medians (default 1)")
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds per side")
     ap.add_argument("--json", type=Path, default=None, help="also write the summary here")
     ap.add_argument("--keep-tmp", action="store_true", help="keep the temporary directory")
@@ -729,7 +758,6 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.threads if args.threads is not None else 'default'}; engine on {args.device}; tmp = {tmp}"
     )
     errors: dict[str, str] = {}
-    results: dict[str, Any] = {}
     try:
         ok, err = run_child("generate", args, tmp)
         if not ok:
@@ -737,19 +765,46 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         source = json.loads((tmp / "generator.json").read_text())["source"]
         print(f"[bench] ensemble from {source}")
-        for side in ("naive", "engine"):
-            ok, err = run_child(side, args, tmp)
-            if ok:
-                results[side] = json.loads((tmp / f"results_{side}.json").read_text())
-            else:
-                errors[side] = err
-        summary = print_comparison(results.get("naive"), results.get("engine"), errors)
+        modes = ["with", "without"] if args.coherency == "both" else [args.coherency]
+        runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
+        for _ in range(max(1, args.rounds)):  # alternate sides and modes, so that drift hits all alike
+            for mode in modes:
+                for side in ("naive", "engine"):
+                    ok, err = run_child(side, args, tmp, mode)
+                    if ok:
+                        runs.setdefault((side, mode), []).append(
+                            json.loads((tmp / f"results_{side}_{mode}.json").read_text()))
+                    else:
+                        errors[f"{side} ({mode} coherency)"] = err
+        summary: dict[str, Any] = {}
+        ratios: dict[str, list[float]] = {}
+        for mode in modes:
+            print(f"\n=== both sides {mode} the coherency map"
+                  + (f" (medians of {args.rounds} alternating rounds)" if args.rounds > 1 else "") + " ===")
+            naive_runs, engine_runs = runs.get(("naive", mode), []), runs.get(("engine", mode), [])
+            results = {"naive": median_run(naive_runs), "engine": median_run(engine_runs)}
+            results = {k: v for k, v in results.items() if v is not None}
+            part = print_comparison(results.get("naive"), results.get("engine"),
+                                    {k: v for k, v in errors.items() if mode in k})
+            ratios[mode] = [n["wall_s"] / e["wall_s"] for n, e in zip(naive_runs, engine_runs, strict=False)]
+            if len(ratios[mode]) > 1:
+                print(f"  speed ratio of each round: {', '.join(f'{r:.1f}' for r in ratios[mode])}")
+            summary[f"{mode}_coherency"] = part
+            if mode == modes[0]:
+                summary.update(part)  # the first mode also at the top level, as before
+        if len(modes) == 2 and all(ratios.get(m) for m in modes):
+            print("\nlike for like, speed ratio naive/engine (median wall times): "
+                  + "; ".join(f"{m} coherency {summary[f'{m}_coherency']['speed_ratio']:.1f}" for m in modes)
+                  + f"  (target >= {TARGET_SPEEDUP:g})")
+        summary["errors"] = errors
         summary["config"] = {
             "n": args.n,
             "seq_len": args.seq_len,
             "layers": args.layers,
             "threads": args.threads,
             "generator": source,
+            "coherency": modes,
+            "rounds": args.rounds,
         }
         if args.large:
             ok, err = run_child("large", args, tmp)
@@ -767,7 +822,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[bench] kept {tmp}")
         else:
             shutil.rmtree(tmp, ignore_errors=True)
-    return 0 if "naive" in results and "engine" in results else 1
+    return 0 if all(runs.get((side, mode)) for side in ("naive", "engine") for mode in modes) else 1
 
 
 if __name__ == "__main__":
