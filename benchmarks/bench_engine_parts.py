@@ -17,7 +17,10 @@ It prints:
 3. per layer, the time of ``update`` and of ``compute`` with the default configuration, and of
    ``compute`` without the coherency map (best of ``--repeats``); the difference is the
    coherency's share;
-4. the time of ``analyze`` on all layers, best of ``--repeats`` runs in one process (warm);
+4. the time of ``analyze`` on all layers, best of ``--repeats`` runs in one process (warm), and the
+   time of ``update`` at L = 1024, N = 150 (three batches of 50, one layer; ``--skip-long`` to skip);
+   ``--compare OLD_ROOT --rounds R`` instead times both in fresh processes for OLD_ROOT and this
+   tree, alternating R times, and prints the medians;
 5. with ``--digest``: the numbers, for comparing two engines (``--root``) digit for digit: per
    layer the dominant scales, T_spec (all digits) and SHA-256 digests of the eigenvalues, scalogram
    and coherency bytes, under the default configuration and several others (no coherency, batched
@@ -165,7 +168,69 @@ def digest(layers, seq_len: int) -> None:
     big = layered_ensemble(1, 8, 1024, seed=1)[0].to(torch.float64)
     acc = PODAccumulator(PODConfig(coherency=False))
     acc.update(big)
-    print(f"  {'L = 1024 update':<22} lag moment {_sha(acc.m2_back)} mean field {_sha(acc.mean_field)}")
+    print(f"  {'L = 1024 update':<22} lag moment {_sha(acc.m2_back)} mean field {_sha(acc.mean_field)} "
+          f"entropy {_sha(acc.entropy_sum)}")
+
+
+def long_update_seconds(seq_len: int = 1024, n: int = 150, batch: int = 50) -> float:
+    """Seconds of ``PODAccumulator.update`` for N snapshots of length L, fed in batches (one layer,
+    default configuration); the batches are generated first, the first call at this length is not
+    timed."""
+    from podmonitor import PODAccumulator, PODConfig
+    from podmonitor.synthetic import layered_ensemble
+
+    batches = [layered_ensemble(1, min(batch, n - lo), seq_len, seed=lo)[0] for lo in range(0, n, batch)]
+    acc = PODAccumulator(PODConfig())
+    acc.update(batches[0][:2])  # start-up at this length, not timed
+    acc.reset()
+    t0 = time.perf_counter()
+    for b in batches:
+        acc.update(b)
+    elapsed = time.perf_counter() - t0
+    return elapsed
+
+
+def timing_child(args) -> dict:
+    """Child of --compare: analyze on all layers (best of --repeats) and the long update, as JSON."""
+    import numpy as np
+    import torch
+
+    from podmonitor import analyze
+    from podmonitor.synthetic import layered_ensemble
+
+    torch.set_num_threads(args.threads)
+    layers = [torch.from_numpy(np.ascontiguousarray(t.numpy(), dtype=np.float64))
+              for t in layered_ensemble(args.layers, args.n, args.seq_len, seed=0)]
+    analyze(layers[0][:8, :32, :32].contiguous())  # start-up
+    total = best_of(args.repeats, lambda: [analyze(f) for f in layers])
+    return {"analyze_all_s": total, "long_update_s": long_update_seconds()}
+
+
+def compare(args) -> None:
+    """Time ``args.compare`` and this tree in fresh processes, alternating, and print the medians."""
+    import json
+    import statistics
+
+    roots = [args.compare.resolve(), REPO]
+    runs: dict[Path, list[dict]] = {r: [] for r in roots}
+    for k in range(args.rounds):
+        for root in roots:
+            out = subprocess.run([sys.executable, __file__, "--root", str(root), "--timing-json",
+                                  "--threads", str(args.threads), "--layers", str(args.layers), "--n", str(args.n),
+                                  "--seq-len", str(args.seq_len), "--repeats", str(args.repeats)],
+                                 check=True, capture_output=True, text=True,
+                                 env={**os.environ, "PYTHONPATH": str(root)})
+            runs[root].append(json.loads(out.stdout.strip().splitlines()[-1]))
+            print(f"  round {k + 1}, {root}: {runs[root][-1]}", flush=True)
+    print(f"\nmedians of {args.rounds} alternating rounds (fresh process each), {args.threads} threads")
+    print(f"{'tree':<40} {'analyze, all layers (s)':>24} {'update L=1024 N=150 (s)':>24}")
+    med = {}
+    for root in roots:
+        med[root] = {k: statistics.median(r[k] for r in runs[root]) for k in ("analyze_all_s", "long_update_s")}
+        print(f"{str(root):<40} {med[root]['analyze_all_s']:>24.3f} {med[root]['long_update_s']:>24.3f}")
+    old, new = med[roots[0]], med[roots[1]]
+    print(f"{'old / new':<40} {old['analyze_all_s'] / new['analyze_all_s']:>24.2f} "
+          f"{old['long_update_s'] / new['long_update_s']:>24.2f}")
 
 
 def main() -> int:
@@ -179,12 +244,25 @@ def main() -> int:
     ap.add_argument("--coherency-memory", action="store_true")
     ap.add_argument("--digest", action="store_true", help="print the numbers of several configurations")
     ap.add_argument("--digest-only", action="store_true", help="only the digest (no timings)")
+    ap.add_argument("--skip-long", action="store_true", help="skip the update at L = 1024")
+    ap.add_argument("--compare", type=Path, default=None, metavar="OLD_ROOT",
+                    help="time OLD_ROOT and this tree alternately in fresh processes, print medians")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of --compare")
+    ap.add_argument("--timing-json", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--child-memory", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     sys.path.insert(0, str(args.root.resolve()))
 
     if args.child_memory is not None:
         coherency_memory(args.child_memory)
+        return 0
+    if args.timing_json:
+        import json
+
+        print(json.dumps(timing_child(args)))
+        return 0
+    if args.compare is not None:
+        compare(args)
         return 0
 
     import numpy as np
@@ -227,6 +305,8 @@ def main() -> int:
 
     total = best_of(args.repeats, lambda: [analyze(f) for f in layers])
     print(f"\nanalyze on all {args.layers} layers, best of {args.repeats} in one process: {total:.3f} s")
+    if not args.skip_long:
+        print(f"update at L = 1024, N = 150 (three batches of 50, one layer): {long_update_seconds():.3f} s")
 
     if args.digest:
         digest(layers, args.seq_len)
