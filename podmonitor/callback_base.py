@@ -15,6 +15,8 @@
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
 import tempfile
 import uuid
@@ -43,6 +45,8 @@ class MonitorCallback(Callback):
         self._run_dir: str | None = None
         self._created_pid = os.getpid()
         self._handoff = os.path.join(tempfile.gettempdir(), f"podmonitor-{type(self).__name__}-{uuid.uuid4().hex}.pt")
+        # a hand-over nobody read is removed when the main process exits (workers never run __init__)
+        atexit.register(_remove_quietly, self._handoff)
 
     # ------------------------------------------------------------------ history
     @property
@@ -106,6 +110,11 @@ class MonitorCallback(Callback):
         if self.strict:
             raise err
         warnings.warn(msg, self.warning_class, stacklevel=stacklevel)
+
+
+def _remove_quietly(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.remove(path)
 
 
 __all__ = ["MonitorCallback"]
