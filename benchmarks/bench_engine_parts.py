@@ -135,7 +135,8 @@ def digest(layers, seq_len: int) -> None:
         eig = torch.cat([sc.eigenvalues.double() for sc in report.per_scale]) if report.per_scale else None
         print(f"  {label:<22} {report.status:<15} scales {[round(a, 4) for a in report.dominant_scales]} "
               f"T_spec {report.t_spec!r} lam1 {float(eig[0]) if eig is not None else None!r} eig {_sha(eig)} "
-              f"scalogram {_sha(report.scalogram)} coherency {_sha(report.coherency)}")
+              f"scalogram {_sha(report.scalogram)} coherency {_sha(report.coherency)} "
+              f"entropy {_sha(report.entropy_profile)} distance {report.mean_attention_distance!r}")
 
     print("\ndigest (identical lines = identical numbers)")
     for k, fields in enumerate(layers):

@@ -232,13 +232,15 @@ class PODAccumulator:
         """
         x = self._validate(fields)
         dtype_name = str(x.dtype).replace("torch.", "")
-        # A sum is finite iff every entry is (barring overflow, which the exact check catches).
-        finite = torch.isfinite(x.sum(dim=(1, 2)))
+        # A sum is finite iff every entry is (barring overflow, which the exact check catches); the
+        # row sums also serve the normalisation check of the running state.
+        row_sums = x.sum(-1, dtype=self.config.dtype)  # (B, L)
+        finite = torch.isfinite(row_sums).all(dim=1)
         if not bool(finite.all()):
             finite = torch.isfinite(x).flatten(1).all(dim=1)
         n_bad = int((~finite).sum())
         if n_bad:
-            x = x[finite]
+            x, row_sums = x[finite], row_sums[finite]
         if x.shape[0] == 0:
             self._merge_counts({"n_skipped_nonfinite": n_bad, "input_dtypes": {dtype_name}})
             return 0
@@ -259,7 +261,7 @@ class PODAccumulator:
             if first:
                 self._init_state(seq_len, causal, device)
             self._check_budget(x.shape[0])
-            self._add_batch(x, causal)
+            self._add_batch(x, causal, row_sums)
         except BaseException:
             if first:
                 self._forget_layout()
@@ -288,7 +290,7 @@ class PODAccumulator:
             return
         raise MemoryBudgetError(budget_message(n_new, self.n, self.seq_len, cfg, self.causal))
 
-    def _add_batch(self, x: Tensor, causal: bool) -> None:
+    def _add_batch(self, x: Tensor, causal: bool, row_sums: Tensor) -> None:
         """Add (B, L, L) checked fields: moments about the batch mean, each running quantity's steps,
         the band entries to the store.
 
@@ -312,7 +314,7 @@ class PODAccumulator:
         m2b_back = torch.zeros(seq_len, seq_len, dtype=dt, device=dev)
         m2b_fwd = None if causal else torch.zeros(seq_len, seq_len, dtype=dt, device=dev)
         batch = {r.name: r.allocate(seq_len, causal, dt, dev) for r in STEPPED}  # this batch's contributions
-        work = torch.empty(step, seq_len, seq_len, dtype=dt, device=dev)
+        work = torch.zeros(step, seq_len, seq_len, dtype=dt, device=dev)  # (zeros: see row_entropy)
         convert = None if x.dtype == dt and x.device == dev else torch.empty_like(work)
         tol = normalisation_tol(x.dtype)
         index = self.band.flat_index.to(dev).unsqueeze(0)
@@ -329,7 +331,7 @@ class PODAccumulator:
             shear.add_backward_moment(m2b_back)
             if m2b_fwd is not None:
                 shear.add_forward_moment(m2b_fwd)
-            ctx = BatchStep(part, causal, work, tol)
+            ctx = BatchStep(part, causal, work, tol, row_sums[start:stop].to(dev))
             for r in STEPPED:
                 batch[r.name] = r.combine(batch[r.name], r.step(ctx))
             flat = part.reshape(stop - start, -1)

@@ -72,27 +72,34 @@ def _upper_index(seq_len: int) -> Tensor:
 SUB_BYTES = 4 * 2**20
 
 
-def max_above_diagonal(fields: Tensor) -> float:
+def max_above_diagonal(fields: Tensor, n_blocks: int = 16) -> float:
     """Largest magnitude above the diagonal of (B, L, L) fields (0.0 for a causal field; NaN if a
     NaN lies above the diagonal).
 
-    Works through the batch a few fields at a time, so that its temporaries stay small (also for
-    non-contiguous fields).
+    Reads the strict upper triangle in row blocks, without copying it: right of the diagonal
+    square of block [r0, r1) lies the rectangle of rows r0..r1 and keys r1..L (a strided view);
+    only the small diagonal squares are masked. Works through the batch a few fields at a time,
+    also for non-contiguous fields, and synchronises once.
     """
     seq_len = fields.shape[-1]
     if seq_len < 2 or fields.shape[0] == 0:
         return 0.0
-    index = _upper_index(seq_len).to(fields.device)
-    step = max(1, SUB_BYTES // (index.numel() * fields.element_size()))
-    out = 0.0
+    edges = _panel_edges(seq_len, max(1, min(n_blocks, seq_len)))
+    step = max(1, SUB_BYTES // (seq_len * seq_len * fields.element_size()))
+    peaks = []
     for start in range(0, fields.shape[0], step):
-        part = fields[start:start + step].reshape(-1, seq_len * seq_len)
-        lo, hi = torch.aminmax(torch.gather(part, 1, index.unsqueeze(0).expand(part.shape[0], -1)))
-        lo_f, hi_f = float(lo), float(hi)
-        if math.isnan(lo_f) or math.isnan(hi_f):
-            return math.nan
-        out = max(out, abs(lo_f), abs(hi_f))
-    return out
+        part = fields[start:start + step]
+        for r0, r1 in zip(edges, edges[1:], strict=False):
+            if r1 <= r0:
+                continue
+            blocks = [torch.triu(part[:, r0:r1, r0:r1], 1)]  # the diagonal square's strict upper triangle
+            if r1 < seq_len:
+                blocks.append(part[:, r0:r1, r1:])
+            for block in blocks:
+                lo, hi = torch.aminmax(block)
+                peaks.append(torch.maximum(lo.abs(), hi.abs()))  # (NaN propagates)
+    peak = float(torch.stack(peaks).max())
+    return math.nan if math.isnan(peak) else max(0.0, peak)
 
 
 def _panel_edges(seq_len: int, n_panels: int) -> list[int]:
@@ -327,7 +334,7 @@ def mean_attention_distance(mean_field: Tensor) -> float:
 
 
 def row_entropy(fields: Tensor, causal: bool, has_negative: bool | None = None,
-                work: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                work: Tensor | None = None, upper_is_zero: bool = False) -> tuple[Tensor, Tensor]:
     """Row entropy normalised by the log of the number of keys of each row.
 
     Args:
@@ -336,6 +343,10 @@ def row_entropy(fields: Tensor, causal: bool, has_negative: bool | None = None,
         has_negative: whether any entry is negative (negative entries are ignored); None = check.
         work: optional buffer with at least ``fields.numel()`` elements of the dtype of ``fields``
             for the entry-wise ``p log p`` (saves allocating a temporary as large as the fields).
+        upper_is_zero: the caller guarantees that nothing lies above the diagonal (a causal
+            field): ``p log p`` is then only evaluated on the row blocks' keys left of the block's
+            end (about half of the entries); the others must read 0 in ``work``, which holds when
+            ``work`` was zeroed once and is reused for fields of this shape (or is None).
 
     Returns:
         sums: (L,) sum over the B snapshots of each row's normalised entropy (0 for rows with a
@@ -346,7 +357,14 @@ def row_entropy(fields: Tensor, causal: bool, has_negative: bool | None = None,
     if has_negative is None:
         has_negative = bool((fields < 0).any())
     p = fields.clamp_min(0) if has_negative else fields
-    if work is not None:  # (xlogy skips the zeros above a causal diagonal at little cost)
+    if upper_is_zero and seq_len > 1:
+        plogp = p.new_zeros(p.shape) if work is None else work.view(-1)[:p.numel()].view(p.shape)
+        edges = _panel_edges(seq_len, min(16, seq_len))
+        for r0, r1 in zip(edges, edges[1:], strict=False):
+            if r1 > r0:  # rows r0..r1 have their keys below r1; beyond, plogp holds zeros
+                block = p[..., r0:r1, :r1]
+                torch.special.xlogy(block, block, out=plogp[..., r0:r1, :r1])
+    elif work is not None:  # (xlogy skips the zeros above a causal diagonal at little cost)
         plogp = work.view(-1)[:p.numel()].view(p.shape)
         torch.special.xlogy(p, p, out=plogp)
     else:

@@ -42,12 +42,15 @@ class BatchStep:
         causal: whether the fields are causal (zero above the diagonal: checked before).
         work: a buffer of at least ``part.numel()`` elements of its dtype, for temporaries.
         tol: tolerance of ``|row sum - 1|`` for the input dtype (see :func:`normalisation_tol`).
+        row_sums: (b, L) the row sums of the fields (computed once per batch, with its finiteness
+            check).
     """
 
     part: Tensor
     causal: bool
     work: Tensor
     tol: float
+    row_sums: Tensor
 
     @cached_property
     def has_negative(self) -> bool:
@@ -58,7 +61,7 @@ class BatchStep:
     def row_error(self) -> Tensor:
         """(b,) the largest ``|row sum - 1|`` of each field. Causal fields are zero above the
         diagonal, so a full row sums exactly the keys j <= i."""
-        return (self.part.sum(-1) - 1.0).abs().amax(-1)
+        return (self.row_sums - 1.0).abs().amax(-1)
 
 
 #: A snapshot counts as normalised when every row sums to 1 over its keys within
@@ -146,7 +149,8 @@ def _n_negative(step: BatchStep) -> int:
 
 
 def _entropy(step: BatchStep) -> Tensor:
-    return row_entropy(step.part, step.causal, has_negative=step.has_negative, work=step.work)[0]
+    return row_entropy(step.part, step.causal, has_negative=step.has_negative, work=step.work,
+                       upper_is_zero=step.causal)[0]
 
 
 def _square(seq_len: int) -> tuple[int, int]:
