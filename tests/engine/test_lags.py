@@ -196,3 +196,33 @@ def test_max_above_diagonal_propagates_nan_and_reads_strided_fields():
     b = torch.zeros(3, 6, 12, dtype=torch.float64)
     b[2, 0, 8] = -0.75  # column 4 of the strided view
     assert max_above_diagonal(b[:, :, ::2]) == 0.75
+
+
+def test_long_fields_are_read_in_row_blocks_with_the_same_results():
+    # from L = BLOCKS_FROM on, the causality check and the causal entropy read row blocks of views
+    from podmonitor.engine.lags import BLOCKS_FROM, max_above_diagonal
+
+    seq_len = BLOCKS_FROM + 40
+    a = random_causal_fields(2, seq_len, seed=8)
+    assert max_above_diagonal(a) == 0.0
+    b = a.clone()
+    b[0, 3, 5] = -0.25  # inside a diagonal square of the blocks
+    b[1, 10, seq_len - 1] = 0.5  # in the rectangle right of a square
+    assert max_above_diagonal(b) == 0.5
+    b[1, 10, seq_len - 1] = 0.0
+    assert max_above_diagonal(b) == 0.25
+    wide = torch.zeros(2, seq_len, 2 * seq_len, dtype=torch.float64)
+    wide[:, :, ::2] = b  # strided input
+    assert max_above_diagonal(wide[:, :, ::2]) == 0.25
+    b[1, 400, 401] = float("nan")
+    assert math.isnan(max_above_diagonal(b))
+    # entropy over the row blocks equals the literal formula, with a reused work buffer
+    x = a.numpy()
+    work = torch.zeros(2 * seq_len * seq_len, dtype=torch.float64)
+    for _ in range(2):
+        got, _ = row_entropy(a, True, work=work, upper_is_zero=True)
+        for i in (1, 2, 100, BLOCKS_FROM - 1, seq_len - 1):
+            row = x[:, i, : i + 1]
+            lit = sum(-np.sum(r * np.log(r)) for r in row) / np.log(i + 1)
+            assert abs(float(got[i]) - lit) < 1e-11
+        torch.testing.assert_close(got, row_entropy(a, True)[0], rtol=0, atol=0)
