@@ -171,6 +171,8 @@ class PODMonitor(MonitorCallback):
         self.extras = extras
         self.last_extras: dict[str, ExtraResult] = {}
         self.last_stability: dict[str, dict[str, float]] = {}  # {layer: {metric key: value}}
+        self.reference_scales: dict[str, float] = {}  # layer -> fixed reference scale (checkpointed)
+        self.last_reference: dict[str, dict[str, Any]] = {}
 
         self._init_shell()  # history (one summary per monitored validation run), run dir
         self.run_id = uuid.uuid4().hex[:12]  # the same on every rank (the object is copied to them)
@@ -509,6 +511,7 @@ class PODMonitor(MonitorCallback):
             return [payload]
 
     def _merge_and_compute(self, states: list[dict[str, Any]]) -> dict[str, PODReport]:
+        self.last_reference = {}
         names: list[str] = next((s["layer_names"] for s in states if s["layer_names"]), [])
         self._layer_names = names
         totals: dict[str, int] = {}
@@ -537,11 +540,35 @@ class PODMonitor(MonitorCallback):
                 acc = part if acc is None else acc.merge(part)
             if acc is not None:
                 reports[key] = acc.compute()
+                if "/" not in key:
+                    self._reference(key, acc, reports[key])
         self.last_reports = reports
         self.last_redundancy = {}
         if self.per_head:
             self.last_redundancy = self._merge_redundancy(states)
         return reports
+
+    def _reference(self, layer: str, acc: PODAccumulator, report: PODReport) -> None:
+        """The layer's headline numbers at its fixed reference scale (its top dominant scale at its
+        first analysable run, kept in the checkpoint), into ``last_reference``."""
+        from .engine.analysis import analyse_at_scale
+
+        if layer not in self.reference_scales:
+            if report.status != "ok" or not report.dominant_scales:
+                return
+            self.reference_scales[layer] = float(report.dominant_scales[0])
+        scale = self.reference_scales[layer]
+        try:
+            sr = analyse_at_scale(acc, scale)
+        except Exception as err:  # noqa: BLE001 - the reference is extra evidence; the report stands
+            self._run_errors.append(f"reference scale of {layer}: {type(err).__name__}: {err}")
+            return
+        if sr is None:
+            return
+        eps0 = self.config.eps[0]
+        rank = next((v for e, v in sr.effective_rank.items() if math.isclose(e, eps0)), None)
+        self.last_reference[layer] = {"scale": scale, "t_spec": sr.t_spec, "r2": sr.r2,
+                                      "effective_rank": rank, "status": sr.status}
 
     def _warn_if_short(self, reports: dict[str, PODReport]) -> None:
         """One warning per monitor when a run had fewer usable sequences than asked, saying why."""
@@ -647,12 +674,27 @@ class PODMonitor(MonitorCallback):
             head_redundancy=self.last_redundancy if self.per_head else None,
             readiness=self.last_readiness,
             stage=self._stage,
-            stability=self.last_stability,
-            extra_record={"n_requested": self.n_snapshots, "n_taken": self._taken},
+            stability=self._layer_extras(),
+            extra_record={"n_requested": self.n_snapshots, "n_taken": self._taken,
+                          "reference": self.last_reference},
             extras=self.last_extras,
         )
         self.monitored_count += 1
         self._history.append(summary)
+
+    def _layer_extras(self) -> dict[str, dict[str, float]]:
+        """Per-layer values computed outside the reports (stability signals, reference scale), by
+        registry key."""
+        out = {layer: dict(v) for layer, v in self.last_stability.items()}
+        from .reporting.metrics import effective_rank_key
+
+        key = effective_rank_key(self.config.eps[0]) + "_at_ref"
+        for layer, ref in self.last_reference.items():
+            values = out.setdefault(layer, {})
+            values["reference_scale"] = float(ref["scale"])
+            values["t_spec_at_ref"] = float(ref["t_spec"])
+            values[key] = math.nan if ref["effective_rank"] is None else float(ref["effective_rank"])
+        return out
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # the last monitored run of a fit always gets its pictures (rank zero; no collective)
@@ -686,6 +728,7 @@ class PODMonitor(MonitorCallback):
             "config": self.config.to_dict(),
             "readiness": self.readiness.state_dict() if self.readiness is not None else None,
             "run_id": self.run_id,
+            "reference_scales": dict(self.reference_scales),
             "extras": {e.name: e.state_dict() for e in self.extras},
         }
 
@@ -699,6 +742,7 @@ class PODMonitor(MonitorCallback):
         self.monitored_count = int(state_dict.get("monitored_count", 0))
         if self.readiness is not None and state_dict.get("readiness"):
             self.readiness.load_state_dict(state_dict["readiness"])
+        self.reference_scales = {str(k): float(v) for k, v in (state_dict.get("reference_scales") or {}).items()}
         for extra in self.extras:
             part = (state_dict.get("extras") or {}).get(extra.name)
             if part:

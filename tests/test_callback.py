@@ -288,3 +288,32 @@ def test_coherency_only_on_picture_runs_at_one_scale_and_last_run_pictured(tmp_p
     assert [e.step for e in acc.Images("pod/scale_organisation")] == [8, 16]  # the last run too
     assert [e.step for e in acc.Images("pod/trend/t_spec")] == [8, 16]
     assert [e.step for e in acc.Images("pod/coherency/layer_00")] == [8]
+
+
+def test_reference_scale_is_fixed_at_the_first_run_and_its_values_match_analyze(tmp_path):
+    monitor = PODMonitor(n_snapshots=16, config=FAST, log_images=False)
+    model = TinyGPT()
+    logger = TensorBoardLogger(str(tmp_path), name="tb")
+    make_trainer(tmp_path, monitor, logger=logger, max_epochs=2).fit(model)
+    first, second = read_jsonl(os.path.join(logger.log_dir, "podmonitor", "podmonitor.jsonl"))
+    for layer in ("layer_00", "layer_01"):
+        a_ref = first["layers"][layer]["dominant_scales"][0]
+        assert first["reference"][layer]["scale"] == a_ref == second["reference"][layer]["scale"]
+        assert monitor.reference_scales[layer] == a_ref
+    # the second run's value at the fixed scale, recomputed by analyze() on the same snapshots with
+    # a one-scale grid (an independent path through the engine)
+    model.eval()
+    maps = [torch.stack(model.attention_maps(b)).mean(2) for b in list(model.val_dataloader())[:2]]
+    fields = torch.cat(maps, dim=1)  # (layers, 16, T, T)
+    for i, layer in enumerate(("layer_00", "layer_01")):
+        a_ref = monitor.reference_scales[layer]
+        ref = analyze(fields[i], PODConfig(scales=(a_ref,), n_dominant=1, dominant_method="top", coherency=False))
+        assert second["reference"][layer]["t_spec"] == pytest.approx(ref.t_spec, rel=1e-6)
+        assert second["reference"][layer]["effective_rank"] == ref.effective_rank[0.1]
+    series = scalar_series(os.path.join(logger.log_dir, "podmonitor_layers", "layer_00"))
+    assert [s for s, _ in series["pod/reference/t_spec_at_ref"]] == [8, 16]
+    assert series["pod/reference/reference_scale"] == [(8, pytest.approx(monitor.reference_scales["layer_00"]))]
+    # kept in the checkpoint
+    again = PODMonitor(n_snapshots=16, config=FAST)
+    again.load_state_dict(monitor.state_dict())
+    assert again.reference_scales == monitor.reference_scales

@@ -238,3 +238,24 @@ def empty_report(acc: PODAccumulator, messages: list[str]) -> PODReport:
         coherency=None, coherency_scale=None, mean_field=torch.zeros(0, 0),
         config=acc.config.to_dict(), messages=messages,
     )
+
+
+def analyse_at_scale(acc: PODAccumulator, scale: float) -> ScaleReport | None:
+    """The POD of everything ``acc`` has seen at one given lag scale (any scale, not only a dominant one).
+
+    Used for a fixed reference scale per layer, so that a trend over training compares values
+    measured at the same scale even when the dominant scales move.
+
+    Args:
+        acc: the accumulator (read only).
+        scale: the lag scale a, in tokens (> 0).
+
+    Returns:
+        The :class:`ScaleReport` at ``scale``, or None when the accumulator holds fewer than
+        ``min_snapshots`` snapshots.
+    """
+    if acc.seq_len is None or acc.store is None or acc.n < acc.config.min_snapshots:
+        return None
+    assert acc.band is not None and acc.mean_field is not None
+    center = acc.band.extract(acc.mean_field.unsqueeze(0))[0]  # (P,) the mean in band layout
+    return analyse_scale(acc, acc.store, float(scale), center)

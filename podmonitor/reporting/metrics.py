@@ -11,6 +11,9 @@ TensorBoard, where each layer is its own run (one colour per layer, all layers o
 Groups, in dashboard order:
 
 - ``headline``: the few numbers to watch (T_spec, effective rank, top scale, distance, entropy);
+- ``reference``: the headline spectrum numbers at a fixed scale per layer (the layer's top
+  dominant scale at its first monitored run, kept for the whole training), so that the trend
+  compares like with like when the dominant scales move;
 - ``fit``: quality of the power-law fit behind T_spec;
 - ``scales``: where the attention's fluctuations live;
 - ``stability``: cheap early warnings of logit growth and entropy collapse (METHOD.md section 10);
@@ -29,7 +32,7 @@ from typing import Any
 
 from ..engine.report import PODReport, eps_lookup
 
-GROUPS: tuple[str, ...] = ("headline", "fit", "scales", "stability", "sketch", "cost", "health")
+GROUPS: tuple[str, ...] = ("headline", "reference", "fit", "scales", "stability", "sketch", "cost", "health")
 
 
 @dataclass(frozen=True)
@@ -151,6 +154,14 @@ def registry(eps: Sequence[float] = (0.10, 0.05, 0.01)) -> list[Metric]:
         Metric("entropy", "attention entropy [0 to 1]", "",
                "Row entropy of the attention divided by log of the visible keys, averaged: 1 = uniform, "
                "0 = one key per query.", "headline", lambda r: _f(r.entropy)),
+        Metric("reference_scale", "reference scale [tokens]", "tokens",
+               "The fixed lag scale of the reference metrics: the layer's top dominant scale at its first "
+               "monitored run; logged when it changes.", "reference", None, log="changes"),
+        Metric("t_spec_at_ref", "T_spec at the reference scale", "",
+               "T_spec measured at the layer's fixed reference scale at every run: a trend that never joins "
+               "values from different scales.", "reference"),
+        Metric(effective_rank_key(eps[0]) + "_at_ref", f"H*({eps[0]:.2f}) at the reference scale [modes]", "modes",
+               f"H*({eps[0]:.2f}) measured at the layer's fixed reference scale at every run.", "reference"),
         Metric("r2", "R^2 of the T_spec power-law fit", "",
                "Fit quality of ln lambda_k on ln k; below about 0.9 T_spec is a rough summary.", "fit",
                lambda r: _f(r.r2)),

@@ -113,7 +113,8 @@ def custom_scalars_layout(prefix: str = "pod", *, eps: Sequence[float] = DEFAULT
 
     metrics = [*registry(eps), *RUN_METRICS]
     layout: dict[str, dict[str, list]] = {}
-    for group, title in (("headline", "podmonitor headline"), ("stability", "podmonitor stability"),
+    for group, title in (("headline", "podmonitor headline"), ("reference", "podmonitor at the reference scale"),
+                         ("stability", "podmonitor stability"),
                          ("fit", "podmonitor fit and scales"), ("scales", "podmonitor fit and scales"),
                          ("cost", "podmonitor cost")):
         charts = layout.setdefault(title, {})
