@@ -1,6 +1,6 @@
 """DDP scenarios (2 CPU processes, ``strategy="ddp_spawn"``) run by tests/test_ddp_defaults.py.
 
-Each scenario is a module-level function ``(tmp_dir) -> dict`` run in its own process group
+Each scenario is a module-level function ``(tmp_dir, *args) -> dict`` run in its own process group
 under a timeout by :func:`tests.distributed.run_scenario`, so a hang fails one test only. The
 callbacks run with their default settings: no ``output_dir``, the Trainer's default
 checkpointing, the logger given (TensorBoard or none).
@@ -107,7 +107,7 @@ def _result(tmp: str, main_history: list, jsonl: str) -> dict[str, Any]:
     return {"records": records(tmp, jsonl), "main_history": main_history, "tags": tensorboard_tags(tmp)}
 
 
-def _pod(tmp: str, kind: str, logger: str) -> dict[str, Any]:
+def pod(tmp: str, kind: str, logger: str) -> dict[str, Any]:
     model = make_model(kind)
     monitor = PODMonitor()
     train, val = loaders()
@@ -121,23 +121,7 @@ def _pod(tmp: str, kind: str, logger: str) -> dict[str, Any]:
     return out
 
 
-def pod_ref_tb(tmp: str) -> dict[str, Any]:
-    return _pod(tmp, "ref", "tb")
-
-
-def pod_ref_none(tmp: str) -> dict[str, Any]:
-    return _pod(tmp, "ref", "none")
-
-
-def pod_hf_tb(tmp: str) -> dict[str, Any]:
-    return _pod(tmp, "hf", "tb")
-
-
-def pod_hf_none(tmp: str) -> dict[str, Any]:
-    return _pod(tmp, "hf", "none")
-
-
-def _smooth(tmp: str, kind: str, logger: str) -> dict[str, Any]:
+def smooth(tmp: str, kind: str, logger: str) -> dict[str, Any]:
     from podmonitor import SmoothnessMonitor
 
     monitor = SmoothnessMonitor()
@@ -146,23 +130,7 @@ def _smooth(tmp: str, kind: str, logger: str) -> dict[str, Any]:
     return _result(tmp, monitor.history, "smoothness.jsonl")
 
 
-def smooth_ref_tb(tmp: str) -> dict[str, Any]:
-    return _smooth(tmp, "ref", "tb")
-
-
-def smooth_ref_none(tmp: str) -> dict[str, Any]:
-    return _smooth(tmp, "ref", "none")
-
-
-def smooth_hf_tb(tmp: str) -> dict[str, Any]:
-    return _smooth(tmp, "hf", "tb")
-
-
-def smooth_hf_none(tmp: str) -> dict[str, Any]:
-    return _smooth(tmp, "hf", "none")
-
-
-def _prune(tmp: str, kind: str, logger: str) -> dict[str, Any]:
+def prune(tmp: str, kind: str, logger: str) -> dict[str, Any]:
     from podmonitor.pruning import HeadPruning
 
     pruning = HeadPruning(n_heads=1, at_step=1, strategy="random")
@@ -172,22 +140,6 @@ def _prune(tmp: str, kind: str, logger: str) -> dict[str, Any]:
     out = _result(tmp, pruning.actions, "pruning.jsonl")
     out["pod_records"] = records(tmp, "podmonitor.jsonl")
     return out
-
-
-def prune_ref_tb(tmp: str) -> dict[str, Any]:
-    return _prune(tmp, "ref", "tb")
-
-
-def prune_ref_none(tmp: str) -> dict[str, Any]:
-    return _prune(tmp, "ref", "none")
-
-
-def prune_hf_tb(tmp: str) -> dict[str, Any]:
-    return _prune(tmp, "hf", "tb")
-
-
-def prune_hf_none(tmp: str) -> dict[str, Any]:
-    return _prune(tmp, "hf", "none")
 
 
 def padded_rank(tmp: str) -> dict[str, Any]:

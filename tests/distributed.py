@@ -1,7 +1,8 @@
 """Run a multi-process (DDP) training scenario in its own process group, under a timeout.
 
 A distributed hang must fail the one test that hit it, not the whole CI run. A scenario is a
-module-level function ``scenario(tmp_dir: str) -> dict`` (JSON-serialisable result) that builds
+module-level function ``scenario(tmp_dir: str, *args: str) -> dict`` (JSON-serialisable result;
+named ``"module:function:arg1:arg2"``) that builds
 and fits a Trainer (for example with ``strategy="ddp_spawn", accelerator="cpu", devices=2``).
 :func:`run_scenario` runs it as ``python -m tests.distributed <module:function> <tmp_dir> <out>``
 in a new session, waits at most ``timeout`` seconds, kills the whole process group (the spawned
@@ -29,7 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_scenario(target: str, tmp_path: Path | str, timeout: float = 150.0) -> dict[str, Any]:
-    """Run ``target`` ("package.module:function") in a subprocess; return its result.
+    """Run ``target`` ("package.module:function", optionally ":arg" strings after it) in a
+    subprocess; return its result.
 
     Raises:
         pytest.fail: the scenario did not finish within ``timeout`` seconds (hang), or failed.
@@ -78,9 +80,9 @@ def main(argv: list[str]) -> int:
     seconds = float(os.environ.get("PODMONITOR_SCENARIO_TIMEOUT", "0") or 0)
     if seconds > 0:
         faulthandler.dump_traceback_later(seconds, exit=False)
-    module_name, func_name = target.split(":")
+    module_name, func_name, *args = target.split(":")
     func = getattr(importlib.import_module(module_name), func_name)
-    result = func(tmp_dir)
+    result = func(tmp_dir, *args)
     Path(out).write_text(json.dumps(result))
     return 0
 

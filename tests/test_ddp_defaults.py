@@ -34,7 +34,7 @@ def _close(a, b, rel=1e-9):
 @pytest.mark.parametrize("logger", LOGGERS)
 @pytest.mark.parametrize("model", MODELS)
 def test_ddp_podmonitor_defaults_finish_take_n_and_match_one_process(tmp_path, model, logger):
-    res = run_scenario(f"tests.ddp_scenarios:pod_{model}_{logger}", tmp_path, timeout=TIMEOUT)
+    res = run_scenario(f"tests.ddp_scenarios:pod:{model}:{logger}", tmp_path, timeout=TIMEOUT)
     reports = _reports(res["records"])
     assert [r["stage"] for r in reports] == ["fit"]  # rank zero alone writes, one record per run
     (rec,) = reports
@@ -64,7 +64,7 @@ def test_ddp_podmonitor_defaults_finish_take_n_and_match_one_process(tmp_path, m
 @pytest.mark.parametrize("logger", LOGGERS)
 @pytest.mark.parametrize("model", MODELS)
 def test_ddp_smoothness_monitor_defaults_finish_and_write(tmp_path, model, logger):
-    res = run_scenario(f"tests.ddp_scenarios:smooth_{model}_{logger}", tmp_path, timeout=TIMEOUT)
+    res = run_scenario(f"tests.ddp_scenarios:smooth:{model}:{logger}", tmp_path, timeout=TIMEOUT)
     recs = res["records"]
     assert len(recs) == 1 and recs[0]["sigma_computed"] and recs[0]["errors"] == []
     assert len(recs[0]["layers"]) == 2
@@ -78,7 +78,7 @@ def test_ddp_smoothness_monitor_defaults_finish_and_write(tmp_path, model, logge
 @pytest.mark.parametrize("logger", LOGGERS)
 @pytest.mark.parametrize("model", MODELS)
 def test_ddp_head_pruning_defaults_finish_and_record(tmp_path, model, logger):
-    res = run_scenario(f"tests.ddp_scenarios:prune_{model}_{logger}", tmp_path, timeout=TIMEOUT)
+    res = run_scenario(f"tests.ddp_scenarios:prune:{model}:{logger}", tmp_path, timeout=TIMEOUT)
     (action,) = res["records"]
     assert action["action"] == "prune" and action["n_pruned"] == 1 and action["step"] == 1
     assert len(res["main_history"]) == 1 and res["main_history"][0]["heads"] == action["heads"]

@@ -63,7 +63,8 @@ class Metric:
         return "/".join(parts)
 
 
-def _f(x: Any) -> float:
+def as_float(x: Any) -> float:
+    """Number / bool / None -> float (None and non-numbers -> NaN)."""
     if x is None:
         return math.nan
     try:
@@ -74,7 +75,7 @@ def _f(x: Any) -> float:
 
 def _rank(eps: float) -> Callable[[PODReport], float]:
     def get(r: PODReport) -> float:
-        return _f(eps_lookup(r.effective_rank, eps)) if r.headline is not None else math.nan
+        return as_float(eps_lookup(r.effective_rank, eps)) if r.headline is not None else math.nan
     return get
 
 
@@ -89,7 +90,7 @@ def _saturated(eps: float) -> Callable[[PODReport], float]:
 
 def _top_scale(r: PODReport) -> float:
     dom = list(r.dominant_scales or [])
-    return _f(dom[0]) if dom else math.nan
+    return as_float(dom[0]) if dom else math.nan
 
 
 def _sketch(attr: str) -> Callable[[PODReport], float]:
@@ -97,7 +98,7 @@ def _sketch(attr: str) -> Callable[[PODReport], float]:
         h = r.headline
         if h is None or getattr(h, "mode", "exact") != "sketch":
             return math.nan
-        return _f(getattr(h, attr, None))
+        return as_float(getattr(h, attr, None))
     return get
 
 
@@ -143,17 +144,17 @@ def registry(eps: Sequence[float] = (0.10, 0.05, 0.01)) -> list[Metric]:
         Metric("t_spec", "T_spec (spectral concentration)", "",
                "1/beta of the power law lambda_k ~ k^-beta fitted to the POD eigenvalues at the top dominant "
                "scale; larger = flatter spectrum = a more complex attention field.", "headline",
-               lambda r: _f(r.t_spec)),
+               lambda r: as_float(r.t_spec)),
         ranks[0],
         Metric("top_scale", "top dominant scale [tokens]", "tokens",
                "The lag scale (Morlet scalogram) carrying the most fluctuation energy; headline values are "
                "measured there, so a jump of it changes what T_spec and H* describe.", "headline", _top_scale),
         Metric("mean_attention_distance", "mean attention distance [tokens]", "tokens",
                "sum_j A[i, j] |i - j|, averaged over queries and snapshots: how far back a layer looks.",
-               "headline", lambda r: _f(r.mean_attention_distance)),
+               "headline", lambda r: as_float(r.mean_attention_distance)),
         Metric("entropy", "attention entropy [0 to 1]", "",
                "Row entropy of the attention divided by log of the visible keys, averaged: 1 = uniform, "
-               "0 = one key per query.", "headline", lambda r: _f(r.entropy)),
+               "0 = one key per query.", "headline", lambda r: as_float(r.entropy)),
         Metric("reference_scale", "reference scale [tokens]", "tokens",
                "The fixed lag scale of the reference metrics: the layer's top dominant scale at its first "
                "monitored run; logged when it changes.", "reference", None, log="changes"),
@@ -164,14 +165,14 @@ def registry(eps: Sequence[float] = (0.10, 0.05, 0.01)) -> list[Metric]:
                f"H*({eps[0]:.2f}) measured at the layer's fixed reference scale at every run.", "reference"),
         Metric("r2", "R^2 of the T_spec power-law fit", "",
                "Fit quality of ln lambda_k on ln k; below about 0.9 T_spec is a rough summary.", "fit",
-               lambda r: _f(r.r2)),
+               lambda r: as_float(r.r2)),
         *[m for m in ranks[1:] if m.group == "fit"],
         Metric("n_fit", "eigenvalues in the T_spec fit", "",
                "How many eigenvalues the power law was fitted to (at most k_fit); logged when it changes.", "fit",
-               lambda r: _f(r.headline.n_fit) if r.headline is not None else math.nan, log="changes"),
+               lambda r: as_float(r.headline.n_fit) if r.headline is not None else math.nan, log="changes"),
         Metric("scale_centroid", "energy-weighted scale centroid [tokens]", "tokens",
                "exp(sum E(a) log a / sum E(a)) over the scale grid: one number for where the fluctuation "
-               "energy sits.", "scales", lambda r: _f(r.scale_centroid)),
+               "energy sits.", "scales", lambda r: as_float(r.scale_centroid)),
         Metric("resolved_rank", "resolved rank R (sketch mode)", "modes",
                "Bounded-memory mode: eigenvalues resolved by the sketch; H* beyond it is reported as bounds.",
                "sketch", _sketch("resolved_rank")),
@@ -183,16 +184,17 @@ def registry(eps: Sequence[float] = (0.10, 0.05, 0.01)) -> list[Metric]:
                  "is then NaN and the record gives bounds).", "sketch", _beyond(e)) for e in eps],
         Metric("analysis_seconds", "analysis time per layer [s]", "s",
                "Wall time of the layer's analysis at the end of the validation run.", "cost",
-               lambda r: _f(getattr(r, "analysis_seconds", None))),
+               lambda r: as_float(getattr(r, "analysis_seconds", None))),
         Metric("n_snapshots", "snapshots analysed", "",
                "Sequences in the layer's ensemble (summed over processes); logged when it changes.", "health",
-               lambda r: _f(r.n_snapshots), log="changes"),
+               lambda r: as_float(r.n_snapshots), log="changes"),
         Metric("n_skipped_nonfinite", "snapshots skipped (NaN/Inf)", "",
                "Sequences whose attention had NaN or Inf entries, left out.", "health",
-               lambda r: _f(r.n_skipped_nonfinite), log="nonzero"),
+               lambda r: as_float(r.n_skipped_nonfinite), log="nonzero"),
         Metric("n_not_normalised", "snapshots whose rows do not sum to 1", "",
                "Sequences whose attention rows do not sum to 1 over the visible keys (raw scores, heads summed):"
-               " the layer is flagged.", "health", lambda r: _f(getattr(r, "n_not_normalised", 0)), log="nonzero"),
+               " the layer is flagged.", "health", lambda r: as_float(getattr(r, "n_not_normalised", 0)),
+               log="nonzero"),
         Metric("status_flagged", "layer flagged (1) / ok (0)", "",
                "1 when the layer's report is not 'ok' (too few snapshots, degenerate spectrum, not normalised, "
                "...); the summary text says why.", "health", lambda r: 0.0 if r.status == "ok" else 1.0,
@@ -314,5 +316,5 @@ def readme_table(eps: Sequence[float] = (0.10, 0.05, 0.01), prefix: str = "pod")
     return "\n".join(lines)
 
 
-__all__ = ["GROUPS", "RUN_METRICS", "STABILITY", "LogPolicy", "Metric", "by_key", "effective_rank_key",
+__all__ = ["GROUPS", "RUN_METRICS", "STABILITY", "LogPolicy", "Metric", "as_float", "by_key", "effective_rank_key",
            "glossary_markdown", "glossary_rows", "layer_metrics", "readme_table", "registry"]

@@ -23,6 +23,7 @@ from typing import Any
 
 from ..engine.report import PODReport, eps_lookup
 from .metrics import RUN_METRICS, by_key, layer_metrics, registry
+from .metrics import as_float as _float
 
 __all__ = ["custom_scalars_layout", "eps_label", "layer_scalars", "metric_names", "metric_tags",
            "summary_markdown", "summary_table"]
@@ -44,16 +45,6 @@ def metric_names(eps: Sequence[float] = DEFAULT_EPS) -> list[str]:
 def metric_tags(eps: Sequence[float] = DEFAULT_EPS, prefix: str = "pod") -> dict[str, Any]:
     """``{tag without layer: Metric}`` of every per-layer and run-level metric (for descriptions)."""
     return {m.tag(prefix): m for m in (*registry(eps), *RUN_METRICS)}
-
-
-def _float(x: Any) -> float:
-    """Number / bool / None -> float (None and non-numbers -> NaN)."""
-    if x is None:
-        return math.nan
-    try:
-        return float(x)
-    except (TypeError, ValueError):
-        return math.nan
 
 
 def layer_scalars(report: PODReport, layer_name: str, *, prefix: str = "pod",
