@@ -20,7 +20,7 @@ from __future__ import annotations
 import abc
 import contextlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -45,17 +45,29 @@ class CapturedAttention:
             skips them (padding never enters the analysed fields).
         causal: True for decoder (lower-triangular) attention, False for bidirectional,
             None when unknown.
+        logit_max: optional, one (B, H) float32 tensor per layer: the largest pre-softmax
+            logit q.k * scale over the queries and visible keys of each sequence and head
+            (METHOD.md section 10); None for the whole capture when the adapter sees
+            probabilities only, or a None entry for a layer where it is unknown.
+        flagged: layer name -> reason, for layers the adapter excluded this batch (not in
+            ``fields``), e.g. a failed self-check of the ``sdpa`` adapter. Empty by default.
+        counters: named event counts of this batch, e.g. ``{"cross_attention_calls": 2}``.
+            Empty by default.
 
     Raises:
         ValueError: a field is not (B, H, T, T), layers disagree on B or T, names are
-            missing or repeated, or ``valid`` is not a (B,) boolean tensor.
-        TypeError: a field or ``valid`` is not a tensor.
+            missing or repeated, ``valid`` is not a (B,) boolean tensor, or ``logit_max``
+            does not hold one (B, H) tensor (or None) per layer.
+        TypeError: a field, ``valid`` or a ``logit_max`` entry is not a tensor.
     """
 
     fields: list[torch.Tensor]
     layer_names: list[str]
     valid: torch.Tensor | None = None
     causal: bool | None = None
+    logit_max: list[torch.Tensor | None] | None = None
+    flagged: dict[str, str] = field(default_factory=dict)
+    counters: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         fields = list(self.fields)
@@ -100,6 +112,10 @@ class CapturedAttention:
             self.valid = self.valid.detach()
         if self.causal is not None:
             self.causal = bool(self.causal)
+        if self.logit_max is not None:
+            self.logit_max = _check_logit_max(self.logit_max, names, out)
+        self.flagged = {str(k): str(v) for k, v in dict(self.flagged).items()}
+        self.counters = {str(k): int(v) for k, v in dict(self.counters).items()}
         self.fields = out
         self.layer_names = names
 
@@ -125,6 +141,28 @@ class CapturedAttention:
         return cls(fields=list(maps), layer_names=layer_names(len(maps)), valid=None, causal=causal)
 
 
+def _check_logit_max(
+    logit_max: list[torch.Tensor | None], names: list[str], fields: list[torch.Tensor]
+) -> list[torch.Tensor | None]:
+    """``logit_max`` as detached float32 (B, H) tensors, one entry (or None) per field."""
+    entries = list(logit_max)
+    if len(entries) != len(fields):
+        raise ValueError(f"{len(fields)} attention fields but {len(entries)} logit_max entries")
+    out: list[torch.Tensor | None] = []
+    for name, m, f in zip(names, entries, fields, strict=True):
+        if m is None:
+            out.append(None)
+            continue
+        if not isinstance(m, torch.Tensor):
+            raise TypeError(f"logit_max of layer {name!r} is a {type(m).__name__}, not a torch.Tensor")
+        if tuple(m.shape) != tuple(f.shape[:2]):
+            raise ValueError(
+                f"logit_max of layer {name!r} has shape {tuple(m.shape)}; expected (B, H) = {tuple(f.shape[:2])}"
+            )
+        out.append(m.detach().float())
+    return out
+
+
 class CaptureAdapter(abc.ABC):
     """Gets the attention of a model out of its own validation step.
 
@@ -135,11 +173,23 @@ class CaptureAdapter(abc.ABC):
     """
 
     name: ClassVar[str]
+    #: True when ``"auto"`` chose this adapter as a last resort (:meth:`may_apply`).
+    last_resort: bool = False
 
     @classmethod
     @abc.abstractmethod
     def applies(cls, module: torch.nn.Module) -> bool:
         """Whether this adapter can capture the attention of ``module``."""
+
+    @classmethod
+    def may_apply(cls, module: torch.nn.Module) -> bool:
+        """Whether this adapter might still capture ``module`` when :meth:`applies` cannot tell.
+
+        ``"auto"`` tries such an adapter as a last resort, when no adapter applies; its
+        first monitored batch then tells (see :class:`~podmonitor.capture.sdpa.SDPAAdapter`).
+        Default: False.
+        """
+        return False
 
     def start(self, module: torch.nn.Module) -> None:  # noqa: B027 (optional hook, default: nothing)
         """Attach hooks / switch settings; called only for the batches being captured."""
@@ -169,21 +219,31 @@ def adapter_classes() -> list[type[CaptureAdapter]]:
     from podmonitor.capture.function import FunctionAdapter
     from podmonitor.capture.huggingface import HuggingFaceAdapter
     from podmonitor.capture.protocol import ProtocolAdapter
+    from podmonitor.capture.sdpa import SDPAAdapter
     from podmonitor.capture.torch_mha import TorchMHAAdapter
 
-    return [ProtocolAdapter, HuggingFaceAdapter, TorchMHAAdapter, FunctionAdapter]
+    return [ProtocolAdapter, SDPAAdapter, HuggingFaceAdapter, TorchMHAAdapter, FunctionAdapter]
 
 
 NOTHING_FITS = (
     "podmonitor cannot capture the attention of {module}. The adapters, tried in this order:\n"
     "  - 'protocol': the module defines attention_maps(batch) -> list of (B, H, T, T) tensors "
     "(and optionally attention_is_causal: bool);\n"
+    "  - 'sdpa': the attention calls torch.nn.functional.scaled_dot_product_attention (nanoGPT, litgpt, timm, "
+    "torchtune, hand-written models) during validation_step, with 4-d (B, H, T, E) query/key/value and as many "
+    "queries as keys (self-attention; cross-attention and key/value-cache calls are skipped), eagerly or in a "
+    "torch.compile'd module (run eagerly while capturing); chosen when the source of a submodule's class "
+    "mentions scaled_dot_product_attention, otherwise tried on the first monitored batch; force it with "
+    "capture='sdpa';\n"
     "  - 'huggingface': the module is, holds or contains a transformers.PreTrainedModel that its "
     "validation_step calls;\n"
     "  - 'torch_mha': the module contains torch.nn.MultiheadAttention layers (nn.TransformerEncoder, "
     "nn.TransformerEncoderLayer, nn.TransformerDecoderLayer, ...);\n"
     "  - 'function': pass capture=fn with fn(module, batch) -> list of (B, H, T, T) tensors or a "
-    "CapturedAttention."
+    "CapturedAttention.\n"
+    "Not supported: attention computed by custom kernels that never call scaled_dot_product_attention "
+    "(flash_attn, xformers, flex_attention, fused CUDA extensions) and attention that is never formed "
+    "(linear attention): use capture=fn or an attention_maps(batch) method there."
 )
 
 
@@ -195,10 +255,12 @@ def select_adapter(
 
     Args:
         module: the (Lightning)module being validated.
-        capture: ``"auto"`` (try "protocol", "huggingface", "torch_mha" in this order), an
-            adapter name, a :class:`CaptureAdapter` instance (used as is) or subclass
-            (instantiated), or a function ``fn(module, batch) -> list[Tensor] | CapturedAttention``
-            (wrapped in a :class:`~podmonitor.capture.function.FunctionAdapter`).
+        capture: ``"auto"`` (try "protocol", "sdpa", "huggingface", "torch_mha" in this order;
+            when none applies, an adapter whose :meth:`CaptureAdapter.may_apply` says it might,
+            "sdpa" for any module with a class of its own, as a last resort), an adapter name, a
+            :class:`CaptureAdapter` instance (used as is) or subclass (instantiated), or a function
+            ``fn(module, batch) -> list[Tensor] | CapturedAttention`` (wrapped in a
+            :class:`~podmonitor.capture.function.FunctionAdapter`).
 
     Returns:
         A fresh adapter (or the instance passed), with nothing attached yet.
@@ -217,7 +279,7 @@ def select_adapter(
     if isinstance(capture, CaptureAdapter):
         return capture
     if isinstance(capture, type) and issubclass(capture, CaptureAdapter):
-        if not capture.applies(module):
+        if not (capture.applies(module) or capture.may_apply(module)):
             raise ValueError(f"{capture.__name__} does not apply to {type(module).__name__}")
         return capture()
     classes = adapter_classes()
@@ -226,6 +288,11 @@ def select_adapter(
             for cls in classes:
                 if cls is not FunctionAdapter and cls.applies(module):
                     return cls()
+            for cls in classes:
+                if cls is not FunctionAdapter and cls.may_apply(module):
+                    adapter = cls()
+                    adapter.last_resort = True
+                    return adapter
             raise ValueError(NOTHING_FITS.format(module=type(module).__name__))
         by_name = {cls.name: cls for cls in classes}
         if capture not in by_name:
@@ -233,7 +300,7 @@ def select_adapter(
         if capture == FunctionAdapter.name:
             raise ValueError("capture='function' needs the function itself: pass capture=fn(module, batch)")
         cls = by_name[capture]
-        if not cls.applies(module):
+        if not (cls.applies(module) or cls.may_apply(module)):
             raise ValueError(
                 f"the {capture!r} adapter does not apply to {type(module).__name__}.\n"
                 + NOTHING_FITS.format(module=type(module).__name__)
