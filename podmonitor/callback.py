@@ -25,6 +25,7 @@ from .callback_base import MonitorCallback
 from .capture import CaptureAdapter, CapturedAttention, select_adapter
 from .distributed import all_gather_ints, all_gather_object, global_rank, is_distributed, share_quota, world_size
 from .engine import MemoryBudgetError, PODAccumulator, PODConfig, PODReport
+from .engine.stability import StabilityAccumulator
 from .extras import ExtraContext, ExtraResult, MonitorExtra
 from .pruning.advisor import AdviceSettings, HeadAllocationAdvice, advise_from_reports
 from .pruning.readiness import AdviceReadiness
@@ -171,6 +172,7 @@ class PODMonitor(MonitorCallback):
         self.extras = extras
         self.last_extras: dict[str, ExtraResult] = {}
         self.last_stability: dict[str, dict[str, float]] = {}  # {layer: {metric key: value}}
+        self.last_stability_reports: dict[str, Any] = {}  # {layer: StabilityReport}
         self.reference_scales: dict[str, float] = {}  # layer -> fixed reference scale (checkpointed)
         self.last_reference: dict[str, dict[str, Any]] = {}
 
@@ -207,6 +209,9 @@ class PODMonitor(MonitorCallback):
         self._taken_all = 0  # snapshots taken by all ranks so far (shared quota only)
         self._accumulators: dict[str, PODAccumulator] = {}
         self._redundancy: dict[str, HeadRedundancyAccumulator] = {}
+        self._stability: dict[str, StabilityAccumulator] = {}  # METHOD.md section 10, per layer
+        self._flagged: dict[str, str] = {}  # layers the capture excluded (e.g. a failed self-check)
+        self._counters: dict[str, int] = {}  # the capture's event counts (e.g. cross-attention calls)
         self._active: dict[str, list[bool]] | None = None
         self._layer_names: list[str] = []
         self._seq_len: int | None = None
@@ -224,7 +229,9 @@ class PODMonitor(MonitorCallback):
         self._run_errors.append(msg)
         self._monitoring = False
         self._stop_capture()
-        self._warn_or_raise(msg, err)
+        if self.strict:
+            raise err
+        self._note_once(msg, msg)  # the same failure run after run: one warning (every record keeps it)
 
     def _note_once(self, key: str, msg: str) -> None:
         """A warning given once per monitor (not at every validation run)."""
@@ -390,12 +397,26 @@ class PODMonitor(MonitorCallback):
     def _usable(self, pl_module: LightningModule, captured: CapturedAttention) -> torch.Tensor:
         """Set up the accumulators on the first batch; the indices (b,) of the batch's usable
         sequences: without padding and of the run's sequence length (the others are counted)."""
+        for name, reason in captured.flagged.items():
+            if name not in self._flagged:
+                self._flagged[name] = reason
+                self._run_errors.append(f"layer {name} not reported: {reason}")
+        for key, count in captured.counters.items():
+            self._counters[key] = self._counters.get(key, 0) + int(count)
+        if self._flagged and self._layer_names:
+            # a layer flagged after the first batch leaves the analysis of this run
+            for name in [n for n in self._layer_names if n in self._flagged]:
+                self._layer_names.remove(name)
+                for key in [k for k in self._accumulators if k == name or k.startswith(name + "/")]:
+                    del self._accumulators[key]
+                self._redundancy.pop(name, None)
+                self._stability.pop(name, None)
         if not captured.fields:
             raise ValueError("the capture returned no attention layers")
         if not self._layer_names:
             if self._active is None:
                 self._active = _active_heads(pl_module, list(captured.layer_names))
-            self._layer_names = list(captured.layer_names)
+            self._layer_names = [n for n in captured.layer_names if n not in self._flagged]
             config = self.config
             if captured.causal is not None and config.causal is None:
                 config = _replace(config, causal=captured.causal)
@@ -407,12 +428,15 @@ class PODMonitor(MonitorCallback):
                 config = _replace(config, coherency_scale=COHERENCY_SCALE)
             for name in self._layer_names:
                 self._accumulators[name] = PODAccumulator(config)
+                self._stability[name] = StabilityAccumulator()
             if self.per_head:
-                for name, f in zip(self._layer_names, captured.fields, strict=True):
+                for name, f in zip(captured.layer_names, captured.fields, strict=True):
+                    if name in self._flagged:
+                        continue
                     for h in range(f.shape[1]):
                         self._accumulators[f"{name}/head_{h:02d}"] = PODAccumulator(config)
                     self._redundancy[name] = HeadRedundancyAccumulator(config.dtype)
-        elif list(captured.layer_names) != self._layer_names:
+        elif [n for n in captured.layer_names if n not in self._flagged] != self._layer_names:
             raise ValueError("the captured layers changed between batches")
         n_seq, seq_len = captured.fields[0].shape[0], captured.fields[0].shape[-1]
         device = captured.fields[0].device
@@ -429,20 +453,29 @@ class PODMonitor(MonitorCallback):
         return torch.nonzero(keep).flatten()
 
     def _add(self, captured: CapturedAttention, index: torch.Tensor) -> None:
-        """Head-average the sequences ``index`` (b,) of every layer and feed the accumulators."""
+        """Head-average the sequences ``index`` (b,) of every reported layer and feed the
+        accumulators (POD, per head, redundancy, stability signals)."""
+        logits = captured.logit_max or [None] * len(captured.fields)
         try:
-            for name, f in zip(self._layer_names, captured.fields, strict=True):
+            for name, f, lm in zip(captured.layer_names, captured.fields, logits, strict=True):
+                if name in self._flagged:
+                    continue
                 sel = f.index_select(0, index.to(f.device))  # (b, H, T, T)
                 self._accumulators[name].update(_head_average(sel, (self._active or {}).get(name)))
                 if self.per_head:
                     for h in range(sel.shape[1]):
                         self._accumulators[f"{name}/head_{h:02d}"].update(sel[:, h])
                     self._redundancy[name].update(sel)
+                stab = self._stability.get(name)
+                if stab is not None:
+                    stab.update(sel, None if lm is None else lm.index_select(0, index.to(lm.device)),
+                                causal=captured.causal)
         except MemoryBudgetError as err:
             self._budget_hit = True
             self._skipped["budget"] += int(index.numel())
-            self._run_errors.append(f"memory budget exceeded, capture stopped: {err}")
-            warnings.warn(f"PODMonitor: {err}", PODMonitorWarning, stacklevel=2)
+            msg = f"PODMonitor: memory budget exceeded, capture stopped for this run (MemoryBudgetError: {err})"
+            self._run_errors.append(msg)
+            self._note_once(msg, msg)
             return
         self._taken += int(index.numel())
 
@@ -492,6 +525,9 @@ class PODMonitor(MonitorCallback):
             "taken": self._taken,
             "errors": list(self._run_errors),
             "extras": {e.name: self._call_extra(e, "gather_state") for e in self.extras},
+            "stability": dict(self._stability),
+            "flagged": dict(self._flagged),
+            "counters": dict(self._counters),
         }
         if not is_distributed(trainer):
             return [payload]
@@ -500,8 +536,9 @@ class PODMonitor(MonitorCallback):
                 name: {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in acc.state_dict().items()}
                 for name, acc in self._accumulators.items()}
             payload["redundancy"] = {name: acc.state_dict() for name, acc in self._redundancy.items()}
+            payload["stability"] = {name: acc.state_dict() for name, acc in self._stability.items()}
         except Exception as err:  # noqa: BLE001 - this rank still joins the collective, with its error
-            payload.update(layer_names=[], accumulators={}, redundancy={}, taken=0)
+            payload.update(layer_names=[], accumulators={}, redundancy={}, stability={}, taken=0)
             payload["errors"].append(f"rank {global_rank(trainer)}: preparing its snapshots failed "
                                      f"({type(err).__name__}: {err})")
         try:
@@ -543,10 +580,45 @@ class PODMonitor(MonitorCallback):
                 if "/" not in key:
                     self._reference(key, acc, reports[key])
         self.last_reports = reports
+        self._merge_stability(states, names)
         self.last_redundancy = {}
         if self.per_head:
             self.last_redundancy = self._merge_redundancy(states)
         return reports
+
+    def _merge_stability(self, states: list[dict[str, Any]], names: Sequence[str]) -> None:
+        """Rank zero: every process's stability sums merged per layer (METHOD.md section 10), into
+        ``last_stability`` (registry keys) and ``last_stability_reports``; the run's flagged
+        layers and capture counters are totalled too."""
+        self.last_stability, self.last_stability_reports = {}, {}
+        self._flagged, self._counters = {}, {}
+        for s in states:
+            self._flagged.update(s.get("flagged", {}))
+            for k, v in s.get("counters", {}).items():
+                self._counters[k] = self._counters.get(k, 0) + int(v)
+        for name in names:
+            merged: StabilityAccumulator | None = None
+            try:
+                for s in states:
+                    item = s.get("stability", {}).get(name)
+                    if item is None:
+                        continue
+                    part = (item if isinstance(item, StabilityAccumulator)
+                            else StabilityAccumulator.from_state_dict(item))
+                    merged = part if merged is None else merged.merge(part)
+                if merged is None:
+                    continue
+                rep = merged.compute()
+            except Exception as err:  # noqa: BLE001 - the signals are extra; the POD report stands
+                self._run_errors.append(f"stability signals of {name}: {type(err).__name__}: {err}")
+                continue
+            self.last_stability_reports[name] = rep
+            self.last_stability[name] = {
+                "max_logit": math.nan if rep.max_logit_layer is None else float(rep.max_logit_layer),
+                "entropy_min_head": math.nan if rep.entropy_min is None else float(rep.entropy_min),
+                "sink_mass": math.nan if rep.sink_mass_mean is None else float(rep.sink_mass_mean),
+                "max_prob": math.nan if rep.max_prob_layer is None else float(rep.max_prob_layer),
+            }
 
     def _reference(self, layer: str, acc: PODAccumulator, report: PODReport) -> None:
         """The layer's headline numbers at its fixed reference scale (its top dominant scale at its
@@ -593,8 +665,10 @@ class PODMonitor(MonitorCallback):
                f"validation run: {'; '.join(reasons)}. What to do: give the monitored validation loader "
                "fixed-length windows without padding (pack or concatenate the text, or drop short sequences), "
                "choose another loader with PODMonitor(dataloader_idx=...), or lower n_snapshots.")
+        warned_already = bool(self._run_errors)  # an error of this run was warned (it is the reason)
         self._run_errors.append(msg)
-        self._note_once("short", msg)
+        if not warned_already:
+            self._note_once("short", msg)
 
     def _compute_extras(self, trainer: Trainer, states: list[dict[str, Any]], reports: dict[str, PODReport]) -> None:
         """Rank zero: each extra's result from every rank's part (a failing extra is left out)."""
@@ -676,7 +750,9 @@ class PODMonitor(MonitorCallback):
             stage=self._stage,
             stability=self._layer_extras(),
             extra_record={"n_requested": self.n_snapshots, "n_taken": self._taken,
-                          "reference": self.last_reference},
+                          "reference": self.last_reference,
+                          "stability": {k: v.to_dict() for k, v in self.last_stability_reports.items()},
+                          "capture": {"flagged": dict(self._flagged), "counters": dict(self._counters)}},
             extras=self.last_extras,
         )
         self.monitored_count += 1

@@ -7,6 +7,7 @@ import os
 import warnings
 
 import lightning as L
+import numpy as np
 import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
@@ -317,3 +318,35 @@ def test_reference_scale_is_fixed_at_the_first_run_and_its_values_match_analyze(
     again = PODMonitor(n_snapshots=16, config=FAST)
     again.load_state_dict(monitor.state_dict())
     assert again.reference_scales == monitor.reference_scales
+
+
+def test_stability_signals_reach_the_record_and_match_literal_formulas(tmp_path):
+    monitor = PODMonitor(n_snapshots=8, config=FAST, log_images=False)
+    model = TinyGPT()
+    logger = TensorBoardLogger(str(tmp_path), name="tb")
+    make_trainer(tmp_path, monitor, logger=logger, max_epochs=1).fit(model)
+    (record,) = read_jsonl(os.path.join(logger.log_dir, "podmonitor", "podmonitor.jsonl"))
+    model.eval()
+    x, y = next(iter(model.val_dataloader()))
+    maps = [a.double().numpy() for a in model.attention_maps((x, y))]  # (8, H, T, T) per layer
+    for i, layer in enumerate(("layer_00", "layer_01")):
+        a = maps[i]
+        t = a.shape[-1]
+        # literal: sink mass = mean over sequences, heads and queries i >= 1 of A[i, 0]
+        sink = a[:, :, 1:, 0].mean()
+        # literal: per head, mean over rows i >= 1 of -sum p log p / log(i + 1); the layer's lowest head
+        ent = []
+        for h in range(a.shape[1]):
+            rows = []
+            for s_ in range(a.shape[0]):
+                for q in range(1, t):
+                    p = a[s_, h, q, : q + 1]
+                    p = p[p > 0]
+                    rows.append(float(-(p * np.log(p)).sum() / np.log(q + 1)))
+            ent.append(np.mean(rows))
+        stab = record["stability"][layer]
+        assert stab["sink_mass_mean"] == pytest.approx(sink, rel=1e-5)
+        assert stab["entropy_min"] == pytest.approx(min(ent), rel=1e-5)
+        assert stab["max_logit_layer"] is None  # the protocol adapter gives probabilities only
+        series = scalar_series(os.path.join(logger.log_dir, "podmonitor_layers", layer))
+        assert series["pod/stability/sink_mass"][0][1] == pytest.approx(sink, rel=1e-5)
