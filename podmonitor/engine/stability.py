@@ -1,0 +1,341 @@
+"""Stability signals of attention, per layer and head, from the captured fields (METHOD.md section 10).
+
+Cheap early warnings of the instabilities practitioners watch for (Dehghani et al. 2023; Wortsman
+et al. 2023; Zhai et al. 2023, entropy collapse; Xiao et al. 2023, attention sinks):
+
+- max attention logit: max over snapshots, queries and visible keys of q.k * scale (needs the
+  scores: given by adapters that recompute attention, e.g. the ``sdpa`` adapter's ``logit_max``);
+- normalised row entropy H_i = -sum_j A[i, j] log A[i, j] / log(n_i), with n_i the number of
+  visible keys of row i (i + 1 for causal attention, T otherwise): its mean per head, and per
+  layer the mean and the minimum over heads (an entropy collapse is a sharp drop of the minimum);
+- sink mass: A[i, 0] averaged over the queries i >= 1;
+- largest probability: the largest A[i, j] (and the mean over rows of the row maximum).
+
+Rows with a single visible key (query 0 of causal attention) are excluded from the entropy
+(log(1) = 0: the normalisation is undefined) and from the probability maxima (trivially 1).
+Visible keys are those the causal structure allows: a model with a sliding window or another
+mask sees fewer, so its normalised entropy is measured against the larger count.
+
+Example:
+    >>> acc = StabilityAccumulator()
+    >>> acc.update(fields, logit_max=captured.logit_max[0], causal=True)  # (B, H, T, T), (B, H)
+    >>> acc.compute().to_dict()["entropy_min"]
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+_STATE_VERSION = 1
+
+
+def _finite_or_none(x: float | None) -> float | None:
+    return None if x is None or not math.isfinite(x) else float(x)
+
+
+@dataclass
+class StabilityReport:
+    """Stability signals of one layer over the snapshots seen.
+
+    Per-head lists have one entry per head (None where undefined, e.g. no snapshot); layer
+    values summarise the heads.
+
+    Attributes:
+        n_snapshots: sequences used (finite fields).
+        n_heads: heads of the layer.
+        causal: True / False when every update said so, None when mixed or unknown.
+        max_logit: per head, max pre-softmax logit q.k * scale; None when no logits were given.
+        entropy: per head, mean normalised row entropy in [0, 1] (rows with >= 2 visible keys).
+        sink_mass: per head, mean of A[i, 0] over queries i >= 1.
+        max_prob: per head, the largest probability (rows with >= 2 visible keys).
+        mean_row_max: per head, the mean over those rows of max_j A[i, j].
+        max_logit_layer: max over heads of ``max_logit`` (None without logits).
+        entropy_mean: mean over heads of ``entropy``.
+        entropy_min: min over heads of ``entropy``.
+        sink_mass_mean: mean over heads of ``sink_mass``.
+        sink_mass_max: max over heads of ``sink_mass``.
+        max_prob_layer: max over heads of ``max_prob``.
+        n_skipped_nonfinite: sequences skipped because their field held NaN or Inf.
+        status: "ok", or "empty" when no snapshot was usable.
+        messages: what was excluded, and why.
+    """
+
+    n_snapshots: int
+    n_heads: int
+    causal: bool | None
+    max_logit: list[float | None] | None
+    entropy: list[float | None]
+    sink_mass: list[float | None]
+    max_prob: list[float | None]
+    mean_row_max: list[float | None]
+    max_logit_layer: float | None
+    entropy_mean: float | None
+    entropy_min: float | None
+    sink_mass_mean: float | None
+    sink_mass_max: float | None
+    max_prob_layer: float | None
+    n_skipped_nonfinite: int = 0
+    status: str = "ok"
+    messages: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict, strict JSON (non-finite numbers become None)."""
+        out = asdict(self)
+        for key, value in out.items():
+            if isinstance(value, float):
+                out[key] = _finite_or_none(value)
+            elif isinstance(value, list) and key != "messages":
+                out[key] = [_finite_or_none(v) if isinstance(v, float) else v for v in value]
+        return out
+
+
+class StabilityAccumulator:
+    """Accumulates the stability signals of one layer, batch by batch (see the module docstring).
+
+    Pure torch, no Lightning. Sums are float64 on the CPU: (H,) vectors, so the state is tiny,
+    picklable (:meth:`state_dict`) and merges across processes (:meth:`merge`).
+
+    Example:
+        >>> acc = StabilityAccumulator()
+        >>> for fields, lmax in batches:  # (B, H, T, T), (B, H)
+        ...     acc.update(fields, lmax, causal=True)
+        >>> report = acc.compute()
+    """
+
+    def __init__(self) -> None:
+        self.n_heads: int | None = None
+        self.n_snapshots = 0
+        self.n_skipped_nonfinite = 0
+        self.n_logit_snapshots = 0
+        self.causal_seen: set[bool] = set()
+        self._entropy_sum: Tensor | None = None  # (H,) sum over rows with >= 2 visible keys
+        self._entropy_rows = 0  # rows per head entering _entropy_sum
+        self._sink_sum: Tensor | None = None  # (H,) sum of A[i, 0], i >= 1
+        self._sink_rows = 0
+        self._row_max_sum: Tensor | None = None  # (H,)
+        self._max_prob: Tensor | None = None  # (H,)
+        self._max_logit: Tensor | None = None  # (H,)
+
+    def _init(self, n_heads: int) -> None:
+        self.n_heads = n_heads
+        zeros = torch.zeros(n_heads, dtype=torch.float64)
+        self._entropy_sum, self._sink_sum, self._row_max_sum = zeros.clone(), zeros.clone(), zeros.clone()
+        self._max_prob = torch.full((n_heads,), -math.inf, dtype=torch.float64)
+        self._max_logit = torch.full((n_heads,), -math.inf, dtype=torch.float64)
+
+    # ------------------------------------------------------------------ update
+    @torch.no_grad()
+    def update(self, fields: Tensor, logit_max: Tensor | None = None, causal: bool | None = None) -> None:
+        """Add a batch of one layer's attention.
+
+        Args:
+            fields: (B, H, T, T) post-softmax probabilities, rows are queries.
+            logit_max: (B, H) max pre-softmax logit of each sequence and head, or None.
+            causal: whether the attention is causal (n_i = i + 1 visible keys); None infers it
+                from the fields (causal when nothing lies above the diagonal).
+
+        Raises:
+            ValueError: ``fields`` is not (B, H, T, T), its head count differs from earlier
+                batches, or ``logit_max`` is not (B, H).
+            TypeError: ``fields`` is not a tensor.
+        """
+        if not isinstance(fields, Tensor):
+            raise TypeError(f"fields must be a (B, H, T, T) tensor, got {type(fields).__name__}")
+        if fields.dim() != 4 or fields.shape[-1] != fields.shape[-2]:
+            raise ValueError(f"fields must be (B, H, T, T), got shape {tuple(fields.shape)}")
+        b, h, t, _ = fields.shape
+        if self.n_heads is None:
+            self._init(h)
+        elif h != self.n_heads:
+            raise ValueError(f"fields have {h} heads, earlier batches had {self.n_heads}")
+        if logit_max is not None and tuple(logit_max.shape) != (b, h):
+            raise ValueError(f"logit_max must be (B, H) = {(b, h)}, got shape {tuple(logit_max.shape)}")
+        if causal is None:
+            upper = torch.ones(t, t, dtype=torch.bool, device=fields.device).triu(1)
+            causal = bool((fields[..., upper] == 0).all()) if t > 1 else True
+        causal = bool(causal)
+        device = fields.device
+        # rows whose normalised entropy is defined (n_i >= 2 visible keys) and their log(n_i)
+        if causal:
+            rows, log_n = slice(1, None), torch.log(torch.arange(2, t + 1, device=device, dtype=torch.float64))
+        else:
+            rows, log_n = slice(0 if t > 1 else t, None), torch.full((t,), math.log(max(t, 1)), device=device,
+                                                                    dtype=torch.float64)
+        n_rows = max(0, t - 1) if causal else (t if t > 1 else 0)
+        assert self._entropy_sum is not None and self._sink_sum is not None and self._row_max_sum is not None
+        assert self._max_prob is not None and self._max_logit is not None
+        used = 0
+        for s in range(b):
+            a = fields[s].float()  # (H, T, T)
+            if not bool(torch.isfinite(a).all()):
+                self.n_skipped_nonfinite += 1
+                continue
+            used += 1
+            ar = a[:, rows, :]  # (H, R, T), a view
+            if n_rows:
+                ent = -torch.special.xlogy(ar, ar).sum(dim=-1, dtype=torch.float64) / log_n  # (H, R)
+                self._entropy_sum += ent.sum(dim=-1).cpu()
+                row_max = ar.amax(dim=-1)  # (H, R)
+                self._row_max_sum += row_max.sum(dim=-1, dtype=torch.float64).cpu()
+                self._max_prob = torch.maximum(self._max_prob, row_max.amax(dim=-1).double().cpu())
+            if t > 1:
+                self._sink_sum += a[:, 1:, 0].sum(dim=-1, dtype=torch.float64).cpu()
+            if logit_max is not None:
+                lm = logit_max[s].detach().double().cpu()
+                self._max_logit = torch.maximum(self._max_logit, lm.nan_to_num(nan=-math.inf))
+        self._entropy_rows += used * n_rows
+        self._sink_rows += used * (t - 1)
+        self.n_snapshots += used
+        if logit_max is not None:
+            self.n_logit_snapshots += used
+        if used:
+            self.causal_seen.add(causal)
+
+    # ------------------------------------------------------------------ merge / state
+    def merge(self, other: StabilityAccumulator) -> StabilityAccumulator:
+        """Add ``other``'s snapshots to this accumulator (another process's, for example); returns self.
+
+        Raises:
+            ValueError: the head counts differ.
+        """
+        if other.n_heads is None:
+            return self
+        if self.n_heads is None:
+            self._init(other.n_heads)
+        elif other.n_heads != self.n_heads:
+            raise ValueError(f"cannot merge a {other.n_heads}-head accumulator into a {self.n_heads}-head one")
+        assert self._entropy_sum is not None and other._entropy_sum is not None
+        self._entropy_sum += other._entropy_sum
+        self._sink_sum += other._sink_sum  # type: ignore[operator]
+        self._row_max_sum += other._row_max_sum  # type: ignore[operator]
+        self._max_prob = torch.maximum(self._max_prob, other._max_prob)  # type: ignore[arg-type]
+        self._max_logit = torch.maximum(self._max_logit, other._max_logit)  # type: ignore[arg-type]
+        self._entropy_rows += other._entropy_rows
+        self._sink_rows += other._sink_rows
+        self.n_snapshots += other.n_snapshots
+        self.n_skipped_nonfinite += other.n_skipped_nonfinite
+        self.n_logit_snapshots += other.n_logit_snapshots
+        self.causal_seen |= other.causal_seen
+        return self
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain Python numbers and lists (picklable, JSON-able apart from infinities)."""
+
+        def vec(t: Tensor | None) -> list[float] | None:
+            return None if t is None else [float(x) for x in t.tolist()]
+
+        return {
+            "version": _STATE_VERSION,
+            "n_heads": self.n_heads,
+            "n_snapshots": self.n_snapshots,
+            "n_skipped_nonfinite": self.n_skipped_nonfinite,
+            "n_logit_snapshots": self.n_logit_snapshots,
+            "causal_seen": sorted(self.causal_seen),
+            "entropy_sum": vec(self._entropy_sum),
+            "entropy_rows": self._entropy_rows,
+            "sink_sum": vec(self._sink_sum),
+            "sink_rows": self._sink_rows,
+            "row_max_sum": vec(self._row_max_sum),
+            "max_prob": vec(self._max_prob),
+            "max_logit": vec(self._max_logit),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Replace this accumulator's state by ``state`` (from :meth:`state_dict`).
+
+        Raises:
+            ValueError: unknown state version.
+        """
+        if state.get("version") != _STATE_VERSION:
+            raise ValueError(f"unknown StabilityAccumulator state version {state.get('version')!r}")
+        self.__init__()  # type: ignore[misc]
+        if state["n_heads"] is None:
+            return
+        self._init(int(state["n_heads"]))
+
+        def vec(x: list[float]) -> Tensor:
+            return torch.tensor(x, dtype=torch.float64)
+
+        self.n_snapshots = int(state["n_snapshots"])
+        self.n_skipped_nonfinite = int(state["n_skipped_nonfinite"])
+        self.n_logit_snapshots = int(state["n_logit_snapshots"])
+        self.causal_seen = {bool(c) for c in state["causal_seen"]}
+        self._entropy_sum, self._sink_sum = vec(state["entropy_sum"]), vec(state["sink_sum"])
+        self._row_max_sum, self._max_prob = vec(state["row_max_sum"]), vec(state["max_prob"])
+        self._max_logit = vec(state["max_logit"])
+        self._entropy_rows, self._sink_rows = int(state["entropy_rows"]), int(state["sink_rows"])
+
+    @classmethod
+    def from_state_dict(cls, state: Mapping[str, Any]) -> StabilityAccumulator:
+        acc = cls()
+        acc.load_state_dict(state)
+        return acc
+
+    # ------------------------------------------------------------------ compute
+    def compute(self) -> StabilityReport:
+        """The signals of the snapshots seen so far (the state is kept: more updates may follow)."""
+        h = self.n_heads or 0
+        messages = []
+        causal = next(iter(self.causal_seen)) if len(self.causal_seen) == 1 else None
+        if self.n_skipped_nonfinite:
+            messages.append(f"{self.n_skipped_nonfinite} sequence(s) with NaN/Inf attention skipped")
+        if causal is not False:
+            messages.append("entropy and probability maxima over rows with >= 2 visible keys: query 0 of causal "
+                            "attention excluded (one visible key: log(1) = 0 and its probability is 1)")
+        if self.n_snapshots == 0 or h == 0:
+            none: list[float | None] = [None] * h
+            return StabilityReport(
+                n_snapshots=0, n_heads=h, causal=causal, max_logit=None, entropy=none, sink_mass=none,
+                max_prob=none, mean_row_max=none, max_logit_layer=None, entropy_mean=None, entropy_min=None,
+                sink_mass_mean=None, sink_mass_max=None, max_prob_layer=None,
+                n_skipped_nonfinite=self.n_skipped_nonfinite, status="empty",
+                messages=[*messages, "no usable snapshot"],
+            )
+        assert self._entropy_sum is not None and self._sink_sum is not None and self._row_max_sum is not None
+        assert self._max_prob is not None and self._max_logit is not None
+
+        def per_head(total: Tensor, count: int) -> list[float | None]:
+            return [float(x) / count for x in total.tolist()] if count else [None] * h
+
+        def stat(values: list[float | None], fn: Any) -> float | None:
+            vals = [v for v in values if v is not None and math.isfinite(v)]
+            return float(fn(vals)) if vals else None
+
+        entropy = per_head(self._entropy_sum, self._entropy_rows)
+        sink = per_head(self._sink_sum, self._sink_rows)
+        row_max = per_head(self._row_max_sum, self._entropy_rows)
+        max_prob = [_finite_or_none(float(x)) for x in self._max_prob.tolist()]
+        max_logit = ([_finite_or_none(float(x)) for x in self._max_logit.tolist()]
+                     if self.n_logit_snapshots else None)
+        if max_logit is None:
+            messages.append("no logits given (adapter sees probabilities only): max_logit unknown")
+        elif self.n_logit_snapshots < self.n_snapshots:
+            messages.append(f"max_logit over {self.n_logit_snapshots} of {self.n_snapshots} snapshots")
+        return StabilityReport(
+            n_snapshots=self.n_snapshots,
+            n_heads=h,
+            causal=causal,
+            max_logit=max_logit,
+            entropy=entropy,
+            sink_mass=sink,
+            max_prob=max_prob,
+            mean_row_max=row_max,
+            max_logit_layer=stat(max_logit or [], max),
+            entropy_mean=stat(entropy, lambda v: sum(v) / len(v)),
+            entropy_min=stat(entropy, min),
+            sink_mass_mean=stat(sink, lambda v: sum(v) / len(v)),
+            sink_mass_max=stat(sink, max),
+            max_prob_layer=stat(max_prob, max),
+            n_skipped_nonfinite=self.n_skipped_nonfinite,
+            status="ok",
+            messages=messages,
+        )
+
+
+__all__ = ["StabilityAccumulator", "StabilityReport"]

@@ -1,0 +1,170 @@
+"""StabilityAccumulator against literal formulas (numpy loops, METHOD.md section 10)."""
+
+from __future__ import annotations
+
+import json
+import math
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+from podmonitor.engine.stability import StabilityAccumulator
+
+
+def random_fields(b: int, h: int, t: int, causal: bool, seed: int = 0, sharp: float = 2.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    s = sharp * torch.randn(b, h, t, t, generator=g)
+    if causal:
+        s = s.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), -torch.inf)
+    return s.softmax(-1)
+
+
+def literal(fields: np.ndarray, logits: np.ndarray | None, causal: bool) -> dict:
+    """The section 10 signals by loops over sequences, heads, rows and keys (float64)."""
+    n, h, t, _ = fields.shape
+    out = {"entropy": [], "sink": [], "max_prob": [], "row_max": [], "max_logit": []}
+    for head in range(h):
+        ent, sink, row_max, max_prob = [], [], [], -np.inf
+        for s in range(n):
+            a = fields[s, head].astype(np.float64)
+            for i in range(t):
+                n_vis = i + 1 if causal else t
+                if i >= 1:
+                    sink.append(a[i, 0])
+                if n_vis < 2:
+                    continue
+                e = 0.0
+                for j in range(n_vis):
+                    p = a[i, j]
+                    if p > 0:
+                        e -= p * math.log(p)
+                ent.append(e / math.log(n_vis))
+                row_max.append(a[i].max())
+                max_prob = max(max_prob, a[i].max())
+        out["entropy"].append(np.mean(ent))
+        out["sink"].append(np.mean(sink))
+        out["row_max"].append(np.mean(row_max))
+        out["max_prob"].append(max_prob)
+        if logits is not None:
+            out["max_logit"].append(max(logits[s, head] for s in range(n)))
+    return out
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_stability_signals_match_literal_formulas(causal) -> None:
+    f1, f2 = random_fields(3, 4, 12, causal, seed=1), random_fields(2, 4, 12, causal, seed=2)
+    l1, l2 = torch.randn(3, 4), torch.randn(2, 4) + 3.0
+    acc = StabilityAccumulator()
+    acc.update(f1, l1, causal=causal)
+    acc.update(f2, l2, causal=causal)
+    rep = acc.compute()
+    ref = literal(torch.cat([f1, f2]).numpy(), torch.cat([l1, l2]).numpy(), causal)
+    assert rep.n_snapshots == 5 and rep.n_heads == 4 and rep.causal is causal and rep.status == "ok"
+    np.testing.assert_allclose(rep.entropy, ref["entropy"], rtol=1e-6)
+    np.testing.assert_allclose(rep.sink_mass, ref["sink"], rtol=1e-6)
+    np.testing.assert_allclose(rep.mean_row_max, ref["row_max"], rtol=1e-6)
+    np.testing.assert_allclose(rep.max_prob, ref["max_prob"], rtol=1e-6)
+    np.testing.assert_allclose(rep.max_logit, ref["max_logit"], rtol=1e-6)
+    assert rep.entropy_min == pytest.approx(min(ref["entropy"]), rel=1e-6)
+    assert rep.entropy_mean == pytest.approx(np.mean(ref["entropy"]), rel=1e-6)
+    assert rep.sink_mass_max == pytest.approx(max(ref["sink"]), rel=1e-6)
+    assert rep.max_logit_layer == pytest.approx(max(ref["max_logit"]), rel=1e-6)
+    assert any("query 0" in m for m in rep.messages) is causal
+
+
+def test_stability_entropy_collapse_of_one_head() -> None:
+    """Head 2 driven to one-hot rows: its normalised entropy is 0 and it is the layer minimum."""
+    t = 16
+    fields = random_fields(4, 3, t, causal=True, sharp=0.5)
+    g = torch.Generator().manual_seed(5)
+    one_hot = torch.zeros(4, t, t)
+    for s in range(4):
+        for i in range(t):
+            one_hot[s, i, int(torch.randint(0, i + 1, (1,), generator=g))] = 1.0
+    fields[:, 2] = one_hot
+    acc = StabilityAccumulator()
+    acc.update(fields, causal=True)
+    rep = acc.compute()
+    ref = literal(fields.numpy(), None, causal=True)
+    assert rep.entropy[2] == pytest.approx(0.0, abs=1e-12)
+    assert rep.entropy_min == pytest.approx(0.0, abs=1e-12)
+    assert min(rep.entropy[0], rep.entropy[1]) > 0.8  # soft heads: near-uniform rows
+    np.testing.assert_allclose(rep.entropy, ref["entropy"], rtol=1e-6, atol=1e-12)
+    assert rep.max_prob[2] == 1.0 and rep.mean_row_max[2] == pytest.approx(1.0)
+    assert rep.max_logit is None and rep.max_logit_layer is None
+    assert any("max_logit unknown" in m for m in rep.messages)
+
+
+def test_stability_planted_sink() -> None:
+    """Head 1 puts 0.9 on key 0 in every row i >= 1 (the rest spread uniformly): sink mass 0.9."""
+    t = 10
+    fields = random_fields(3, 2, t, causal=True)
+    sink_head = torch.zeros(3, t, t)
+    sink_head[:, 0, 0] = 1.0
+    for i in range(1, t):
+        sink_head[:, i, 0] = 0.9
+        sink_head[:, i, 1 : i + 1] = 0.1 / i
+    fields[:, 1] = sink_head
+    acc = StabilityAccumulator()
+    acc.update(fields, causal=True)
+    rep = acc.compute()
+    ref = literal(fields.numpy(), None, causal=True)
+    assert rep.sink_mass[1] == pytest.approx(0.9, rel=1e-6)
+    assert rep.sink_mass_max == pytest.approx(0.9, rel=1e-6)
+    np.testing.assert_allclose(rep.sink_mass, ref["sink"], rtol=1e-6)
+    assert rep.sink_mass[0] < 0.6
+
+
+def test_stability_merge_and_state_dict_equal_one_accumulator() -> None:
+    f = random_fields(6, 3, 8, causal=True, seed=3)
+    lm = torch.randn(6, 3)
+    whole = StabilityAccumulator()
+    whole.update(f, lm, causal=True)
+    a, b = StabilityAccumulator(), StabilityAccumulator()
+    a.update(f[:2], lm[:2], causal=True)
+    b.update(f[2:], lm[2:], causal=True)
+    state = pickle.loads(pickle.dumps(b.state_dict()))  # what all_gather_object sends
+    merged = a.merge(StabilityAccumulator.from_state_dict(state)).compute().to_dict()
+    ref = whole.compute().to_dict()
+    assert merged.keys() == ref.keys()
+    for key, value in ref.items():
+        if isinstance(value, list) and value and isinstance(value[0], float):
+            np.testing.assert_allclose(merged[key], value, rtol=1e-12)
+        elif isinstance(value, float):
+            assert merged[key] == pytest.approx(value, rel=1e-12)
+        else:
+            assert merged[key] == value
+    assert StabilityAccumulator().merge(a).n_snapshots == 6  # into an empty one
+
+
+def test_stability_skips_nonfinite_sequences_and_writes_strict_json() -> None:
+    f = random_fields(3, 2, 6, causal=False)
+    f[1, 0, 2, 3] = float("nan")
+    acc = StabilityAccumulator()
+    acc.update(f, torch.randn(3, 2), causal=False)
+    rep = acc.compute()
+    assert rep.n_snapshots == 2 and rep.n_skipped_nonfinite == 1
+    ref = literal(f[[0, 2]].numpy(), None, causal=False)
+    np.testing.assert_allclose(rep.entropy, ref["entropy"], rtol=1e-6)
+    json.dumps(rep.to_dict(), allow_nan=False)
+    empty = StabilityAccumulator().compute()
+    assert empty.status == "empty" and empty.n_snapshots == 0
+    json.dumps(empty.to_dict(), allow_nan=False)
+
+
+def test_stability_infers_causality_and_rejects_bad_input() -> None:
+    acc = StabilityAccumulator()
+    acc.update(random_fields(1, 2, 5, causal=True))
+    assert acc.compute().causal is True
+    with pytest.raises(ValueError, match="heads"):
+        acc.update(random_fields(1, 3, 5, causal=True))
+    with pytest.raises(ValueError, match=r"\(B, H, T, T\)"):
+        acc.update(torch.rand(2, 5, 5))
+    with pytest.raises(ValueError, match="logit_max"):
+        acc.update(random_fields(1, 2, 5, causal=True), torch.zeros(2, 2))
+    with pytest.raises(TypeError):
+        acc.update([[1.0]])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="version"):
+        acc.load_state_dict({"version": 99})
