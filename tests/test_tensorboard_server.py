@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 import json
 import socket
 import subprocess
@@ -88,7 +89,8 @@ def test_tensorboard_http_api_serves_scalars_and_images(tensorboard_server):
             metric = registry[tag]
             assert tag == f"pod/{metric.group}/{metric.key}"
             assert info["displayName"] == metric.title
-            assert metric.description.split(";")[0].split(" ~ ")[0] in info["description"]
+            # served as HTML rendered from the description's markdown
+            assert metric.description.split(";")[0].split(" ~ ")[0] in html.unescape(info["description"])
     for tag, info in tags[run].items():  # run-level podmonitor tags are described too
         if tag.startswith("pod/"):
             assert info["displayName"] == registry[tag].title
