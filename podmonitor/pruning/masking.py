@@ -11,14 +11,22 @@ Two kinds of model:
 * Hugging Face models (GPT-2, BERT-like, Llama-like): a forward pre-hook on each layer's output
   projection zeroes the pruned heads' slices of its input (the concatenated head outputs);
   :meth:`HeadMasker.restore` removes it. Their weights are not stashed.
+* any other model whose attention calls ``torch.nn.functional.scaled_dot_product_attention``
+  (nanoGPT-, litgpt-, timm-style modules): the layers are the modules whose class calls it
+  (:func:`podmonitor.capture.sdpa.sdpa_modules`, in module order), their head counts read from
+  ``n_head`` / ``num_heads`` / ... ; a :class:`~podmonitor.capture.sdpa.SDPAHeadMask` scales the
+  pruned heads' SDPA outputs (B, H, T, E) by 0 before the heads are merged, which is zeroing
+  their slices of the output projection's input. :meth:`HeadMasker.restore` removes it; the
+  weights are not touched or stashed.
 
 :meth:`HeadMasker.make_permanent` ends reversibility: for the reference models it zeroes the
 pruned heads' value rows and output-projection columns (their output is then zero with or without
 the mask) and keeps the mask; for Hugging Face models it removes the hooks and calls
-``model.prune_heads`` (the heads are physically removed, ``config.pruned_heads`` records it).
+``model.prune_heads`` (the heads are physically removed, ``config.pruned_heads`` records it); for
+SDPA models, whose weight layout is unknown, the mask stays attached (the heads stay silenced).
 
 Example:
-    >>> masker = HeadMasker(model)          # a GPT, a GPTLightningModule or a HF model
+    >>> masker = HeadMasker(model)          # a GPT, a GPTLightningModule, a HF model or an SDPA model
     >>> masker.apply({0: [1, 3], 2: [0]})   # layer index -> heads
     >>> masker.restore()                    # every head back
 """
@@ -93,15 +101,43 @@ def _head_slices(layer: CausalSelfAttention, h: int) -> list[tuple[Tensor, tuple
     return out
 
 
+@dataclass
+class _SDPALayer:
+    path: str  # module path, the layer name of the sdpa capture adapter
+    n_head: int
+
+
+def _sdpa_layers(module: nn.Module) -> list[_SDPALayer] | None:
+    """The SDPA attention layers of ``module`` (None when there are none).
+
+    Raises:
+        ValueError: a layer's head count cannot be read.
+    """
+    from ..capture.sdpa import head_count, sdpa_modules
+
+    found = sdpa_modules(module)
+    if not found:
+        return None
+    layers = []
+    for path, sub in found:
+        n = head_count(sub)
+        if n is None:
+            raise ValueError(f"{path} ({type(sub).__name__}) calls scaled_dot_product_attention but its number of "
+                             "heads is unknown: give it an attribute n_head or num_heads")
+        layers.append(_SDPALayer(path, n))
+    return layers
+
+
 class HeadMasker:
     """Prune attention heads of a model reversibly (see the module docstring).
 
     Args:
-        module: a module containing the reference attention layers, or a Hugging Face model
-            (or a module holding exactly one).
+        module: a module containing the reference attention layers, a Hugging Face model
+            (or a module holding exactly one), or a model whose attention modules call
+            ``torch.nn.functional.scaled_dot_product_attention``.
 
     Raises:
-        ValueError: the module has neither.
+        ValueError: the module has none of them.
     """
 
     def __init__(self, module: nn.Module) -> None:
@@ -110,15 +146,22 @@ class HeadMasker:
         self._ref = [m for m in module.modules() if isinstance(m, CausalSelfAttention)]
         self._hf: nn.Module | None = None
         self._hf_layers: list[_HFLayer] = []
+        self._sdpa_layers: list[_SDPALayer] = []
+        self._sdpa_mask: Any = None  # podmonitor.capture.sdpa.SDPAHeadMask while kind == "sdpa"
         if self._ref:
             self.kind = "reference"
-        else:
-            found = _hf_layers(module)
-            if found is None:
-                raise ValueError(f"{type(module).__name__}: no podmonitor reference attention layer and no "
-                                 "Hugging Face model: cannot mask heads")
+        elif (found := _hf_layers(module)) is not None:
             self._hf, self._hf_layers = found
             self.kind = "huggingface"
+        elif (sdpa := _sdpa_layers(module)) is not None:
+            from ..capture.sdpa import SDPAHeadMask
+
+            self._sdpa_layers = sdpa
+            self._sdpa_mask = SDPAHeadMask(module)
+            self.kind = "sdpa"
+        else:
+            raise ValueError(f"{type(module).__name__}: no podmonitor reference attention layer, no Hugging Face "
+                             "model and no module calling scaled_dot_product_attention: cannot mask heads")
         self.pruned: dict[int, list[int]] = {}
         self.permanent = False
         self._stash: dict[tuple[int, int], list[Tensor]] = {}
@@ -129,7 +172,14 @@ class HeadMasker:
         """Heads per layer (before pruning)."""
         if self.kind == "reference":
             return [m.n_head for m in self._ref]
+        if self.kind == "sdpa":
+            return [layer.n_head for layer in self._sdpa_layers]
         return [layer.n_head for layer in self._hf_layers]
+
+    @property
+    def layer_names(self) -> list[str] | None:
+        """SDPA models: the layers' module paths (the ``sdpa`` capture adapter's layer names); else None."""
+        return [layer.path for layer in self._sdpa_layers] if self.kind == "sdpa" else None
 
     def active(self) -> list[list[bool]]:
         """(n_layer, n_head) False for pruned heads."""
@@ -175,9 +225,18 @@ class HeadMasker:
                 mask = attn.head_mask.clone()
                 mask[self.pruned[layer]] = 0.0
                 attn.set_head_mask(mask)
+            elif self.kind == "sdpa":
+                self._sdpa_set(layer)
             else:
                 self._hook(layer)
         return new
+
+    def _sdpa_set(self, layer: int) -> None:
+        spec = self._sdpa_layers[layer]
+        keep = torch.ones(spec.n_head)
+        keep[self.pruned[layer]] = 0.0
+        self._sdpa_mask.set(spec.path, keep)
+        self._sdpa_mask.attach()
 
     def _hook(self, layer: int) -> None:
         if layer in self._hooks:
@@ -209,6 +268,9 @@ class HeadMasker:
                     p[idx] = v.to(p.device, p.dtype)
             for layer in self.pruned:
                 self._ref[layer].clear_head_mask()
+        elif self.kind == "sdpa":
+            self._sdpa_mask.clear()
+            self._sdpa_mask.detach()
         else:
             for handle in self._hooks.values():
                 handle.remove()
@@ -232,6 +294,8 @@ class HeadMasker:
                     if attn.c_attn.bias is not None:
                         attn.c_attn.bias[v_rows] = 0.0
                     attn.c_proj.weight[:, h * hd:(h + 1) * hd] = 0.0
+        elif self.kind == "sdpa":
+            pass  # the weight layout is unknown: the mask stays attached, the heads stay silenced
         else:
             for handle in self._hooks.values():
                 handle.remove()
@@ -264,6 +328,10 @@ class HeadMasker:
         if self.kind == "huggingface" and not self.permanent:
             for layer in pruned:
                 self._hook(layer)
+        if self.kind == "sdpa":
+            self._sdpa_mask.clear()
+            for layer in pruned:
+                self._sdpa_set(layer)
         self._stash = {(int(k.split(":")[0]), int(k.split(":")[1])): list(v) for k, v in stash.items()}
 
 
