@@ -208,4 +208,135 @@ class AdviceReadiness:
         self._prev_modes, self._prev_rank, self._prev_advice = {}, {}, None
 
 
-__all__ = ["AdviceReadiness", "principal_angles", "subspace_drift", "top_modes"]
+class RankingReadiness:
+    """Is the measured ranking stable enough to act on? Its change between monitored runs.
+
+    Between two consecutive measurements (of :class:`~podmonitor.pruning.HeadImportanceProbe`):
+
+    * rank stability: the Spearman correlation of the heads' measured damage, over the heads
+      measured in both runs;
+    * whether the heads to drop first (the first ``n_drop`` of the drop order, as a set) changed.
+
+    A run is "settled" when the correlation is at least ``min_spearman`` and the set did not
+    change; the ranking is "stable" once ``patience`` consecutive runs have settled (any
+    unsettled run resets the count; the first run cannot settle). The drift of each layer's
+    dominant POD subspace (chordal distance of the top ``n_modes`` modes, as in
+    :class:`AdviceReadiness`) is recorded beside it as evidence; it does not decide.
+
+    Args:
+        min_spearman: the least rank correlation with the previous run of a settled run.
+        patience: consecutive settled runs before the ranking is called stable.
+        n_modes: modes of the dominant POD subspace compared (evidence only).
+
+    Raises:
+        ValueError: invalid arguments.
+    """
+
+    def __init__(self, min_spearman: float = 0.8, patience: int = 2, n_modes: int = 3) -> None:
+        if not -1.0 <= min_spearman <= 1.0:
+            raise ValueError(f"min_spearman must lie in [-1, 1], got {min_spearman}")
+        if patience < 1:
+            raise ValueError(f"patience must be >= 1, got {patience}")
+        if n_modes < 1:
+            raise ValueError(f"n_modes must be >= 1, got {n_modes}")
+        self.min_spearman = min_spearman
+        self.patience = patience
+        self.n_modes = n_modes
+        self.history: list[dict[str, Any]] = []
+        self.settled_runs = 0
+        self._prev_damage: dict[str, float] | None = None
+        self._prev_drop: list[str] | None = None
+        self._prev_modes: dict[str, Tensor] = {}
+
+    @property
+    def stable(self) -> bool:
+        return self.settled_runs >= self.patience
+
+    def update(self, step: int, damage: Mapping[str, float], drop: Sequence[str],
+               reports: Mapping[str, PODReport] | None = None,
+               layer_names: Sequence[str] = ()) -> dict[str, Any]:
+        """Compare this run's measurement with the previous one; returns this run's record.
+
+        Args:
+            step: the run's step.
+            damage: ``{"<layer>/head_<hh>": measured damage}`` of the heads measured this run.
+            drop: the keys of the heads to drop first, in order.
+            reports: this run's POD reports (for the subspace drift evidence; optional).
+            layer_names: the layers whose reports to compare.
+
+        Record: ``step``, ``spearman_vs_previous``, ``n_compared``, ``drop_set_changed``,
+        ``drop_added``, ``drop_removed``, ``settled``, ``settled_runs``, ``stable``, ``reason``,
+        ``pod_subspace_drift`` ({layer: chordal distance}).
+        """
+        from .ablation import spearman
+
+        rho, n = math.nan, 0
+        first = self._prev_damage is None
+        if not first:
+            assert self._prev_damage is not None
+            common = [k for k in damage if k in self._prev_damage]
+            rho, n = spearman([self._prev_damage[k] for k in common], [damage[k] for k in common])
+        prev_drop = set(self._prev_drop or [])
+        added = [k for k in drop if k not in prev_drop]
+        removed = [k for k in (self._prev_drop or []) if k not in set(drop)]
+        changed = not first and bool(added or removed)
+        drift: dict[str, float] = {}
+        for name in layer_names:
+            rep = (reports or {}).get(name)
+            modes = top_modes(rep, self.n_modes) if rep is not None else None
+            prev = self._prev_modes.get(name)
+            if modes is not None and prev is not None and prev.shape[1] == modes.shape[1]:
+                drift[name] = subspace_drift(prev, modes)[0]
+            if modes is not None:
+                self._prev_modes[name] = modes
+        problems = []
+        if first:
+            problems.append("first measurement: nothing to compare with")
+        else:
+            if not (rho >= self.min_spearman):
+                problems.append(f"rank correlation with the previous run {rho:.2f} < {self.min_spearman:g}"
+                                if math.isfinite(rho) else "rank correlation with the previous run undefined")
+            if changed:
+                problems.append(f"the heads to drop changed (+{', '.join(added) or '-'}; -{', '.join(removed) or '-'})")
+        settled = not problems
+        self.settled_runs = self.settled_runs + 1 if settled else 0
+        if self.stable:
+            reason = f"stable: {self.settled_runs} consecutive settled runs (patience {self.patience})"
+        elif settled:
+            reason = f"settling: {self.settled_runs} of {self.patience} settled runs"
+        else:
+            reason = "not stable: " + "; ".join(problems)
+        record = {
+            "step": int(step),
+            "spearman_vs_previous": rho,
+            "n_compared": n,
+            "drop_set_changed": changed,
+            "drop_added": added,
+            "drop_removed": removed,
+            "settled": settled,
+            "settled_runs": self.settled_runs,
+            "stable": self.stable,
+            "reason": reason,
+            "pod_subspace_drift": drift,
+        }
+        self._prev_damage = {str(k): float(v) for k, v in damage.items()}
+        self._prev_drop = [str(k) for k in drop]
+        self.history.append(record)
+        return record
+
+    def state_dict(self) -> dict[str, Any]:
+        """History, counter and the previous measurement (the POD modes are not kept)."""
+        return {"history": list(self.history), "settled_runs": self.settled_runs,
+                "prev_damage": dict(self._prev_damage) if self._prev_damage is not None else None,
+                "prev_drop": list(self._prev_drop) if self._prev_drop is not None else None}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.history = list(state.get("history", []))
+        self.settled_runs = int(state.get("settled_runs", 0))
+        prev = state.get("prev_damage")
+        self._prev_damage = {str(k): float(v) for k, v in prev.items()} if prev is not None else None
+        self._prev_drop = list(state["prev_drop"]) if state.get("prev_drop") is not None else None
+        self._prev_modes = {}
+
+
+__all__ = ["AdviceReadiness", "RankingReadiness", "principal_angles", "subspace_drift", "top_modes"]
