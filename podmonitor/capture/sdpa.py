@@ -156,57 +156,82 @@ def recompute(call: SDPACall, output: Tensor, chunk_bytes: int = DEFAULT_CHUNK_B
         :class:`Recomputed`.
     """
     q, k, v, mask = call.query.detach(), call.key.detach(), call.value.detach(), call.attn_mask
+    mask = None if mask is None else mask.detach()
     work = torch.float64 if q.dtype == torch.float64 else torch.float32
     b, h, t, e = q.shape
     if call.enable_gqa and k.shape[-3] != h:
         k = k.repeat_interleave(h // k.shape[-3], dim=-3)
         v = v.repeat_interleave(h // v.shape[-3], dim=-3)
     scale = call.scale if call.scale is not None else 1.0 / math.sqrt(e)
-    qw, kt, vw = q.to(work), k.to(work).transpose(-1, -2), v.to(work)
-    out = output.detach()
-    v_scale = vw.abs().amax(dim=(-2, -1), keepdim=True).clamp_min(torch.finfo(work).tiny)  # (B|1, H|1, 1, 1)
-    blocked = None if mask is None else mask_blocks(mask.detach())
+    qs = q.to(work) * scale  # (B, H, T, E): q * scale, so that the scores are q.k * scale
+    kt = k.to(work).transpose(-1, -2).expand(b, h, -1, t)  # (B, H, E, T), views where K broadcasts
+    vw = v.to(work).expand(b, h, t, -1)  # (B, H, T, Ev)
+    out = output.detach().expand(b, h, t, -1)
+    v_scale = vw.abs().amax(dim=(-2, -1), keepdim=True).clamp_min(torch.finfo(work).tiny)  # (B, H, 1, 1)
+    mask4 = None
+    causal = call.is_causal
+    padded = None
+    if mask is not None:
+        mask4 = mask
+        while mask4.dim() < 4:  # broadcasting aligns on the right: (S,), (L, S), (H, L, S)
+            mask4 = mask4.unsqueeze(0)
+        blocked = mask_blocks(mask4)
+        if not causal:
+            upper = torch.ones(t, t, dtype=torch.bool, device=blocked.device).triu(1)
+            causal = bool((blocked | ~upper).all())
+        column = blocked.all(dim=-2).all(dim=1)  # (B | 1, S): blocked for every query of every head
+        padded = column.any(dim=-1).expand(b).to(q.device)
+        mask4 = mask4.expand(b, h, t, t)
     probs = torch.empty(b, h, t, t, dtype=torch.float32, device=q.device)
     logit_max = torch.full((b, h), -math.inf, dtype=torch.float32, device=q.device)
-    error = 0.0
-    causal = call.is_causal
-    if blocked is not None and not causal:
-        upper = torch.ones(t, t, dtype=torch.bool, device=blocked.device).triu(1)
-        causal = bool((blocked | ~upper).all())
-    padded = None
-    if blocked is not None:
-        full = blocked
-        while full.dim() < 4:  # broadcasting aligns on the right: (S,), (L, S), (H, L, S)
-            full = full.unsqueeze(0)
-        column = full.all(dim=-2).all(dim=1)  # (B | 1, S): blocked for every query of every head
-        padded = column.any(dim=-1).expand(b).to(q.device)
-    per_row = b * h * t * torch.finfo(work).bits // 8
-    step = max(1, int(chunk_bytes // max(1, 3 * per_row)))
+    # chunks write contiguous blocks of ``probs``: several heads of one sequence (all rows), or, when one
+    # head's T x T scores exceed chunk_bytes, rows of one head
+    elsize = torch.finfo(work).bits // 8
+    head_bytes = t * t * elsize
+    if head_bytes <= chunk_bytes:
+        heads_per, rows_per = max(1, min(h, chunk_bytes // head_bytes)), t
+    else:
+        heads_per, rows_per = 1, max(1, chunk_bytes // (t * elsize))
+    buffer = torch.empty(heads_per * rows_per * t, dtype=work, device=q.device)  # one chunk's scores, reused
     cols = torch.arange(t, device=q.device)
-    for r0 in range(0, t, step):
-        r1 = min(t, r0 + step)
-        raw = (qw[..., r0:r1, :] @ kt) * scale  # (B, H, c, T): q.k * scale
-        hidden = torch.zeros(1, 1, r1 - r0, t, dtype=torch.bool, device=q.device)
-        if call.is_causal:
-            hidden = hidden | (cols[None, :] > torch.arange(r0, r1, device=q.device)[:, None])
-        scores = raw
-        rows_mask = _rows(mask, r0, r1)
-        if rows_mask is not None:
-            if rows_mask.dtype == torch.bool:
-                hidden = hidden | ~rows_mask
-            else:
-                scores = scores + rows_mask.to(work)
-                hidden = hidden | (rows_mask <= FLOAT_MASK_BLOCKS)
-        scores = scores.masked_fill(hidden, -math.inf)
-        a = torch.softmax(scores, dim=-1)
-        dead = torch.isneginf(scores).all(dim=-1, keepdim=True)  # rows with no visible key
-        a = a.masked_fill(dead, 0.0)
-        probs[..., r0:r1, :] = a.to(torch.float32)
-        logit_max = torch.maximum(logit_max, raw.masked_fill(hidden, -math.inf).amax(dim=(-2, -1)).float())
-        diff = ((a @ vw) - out[..., r0:r1, :].to(work)).abs() / v_scale  # (B, H, c, Ev)
-        diff = diff.masked_fill(dead | ~torch.isfinite(diff), 0.0)
-        error = max(error, float(diff.amax()) if diff.numel() else 0.0)
-        del raw, scores, a, diff
+    errors = torch.zeros((), dtype=work, device=q.device)
+    for bi in range(b):
+        for h0 in range(0, h, heads_per):
+            h1 = min(h, h0 + heads_per)
+            for r0 in range(0, t, rows_per):
+                r1 = min(t, r0 + rows_per)
+                scores = buffer[: (h1 - h0) * (r1 - r0) * t].view(h1 - h0, r1 - r0, t)
+                torch.matmul(qs[bi, h0:h1, r0:r1], kt[bi, h0:h1], out=scores)  # (h, c, T): q.k * scale
+                hidden: Tensor | None = None  # keys a query may not attend, broadcastable to (h, c, T)
+                if call.is_causal:
+                    hidden = cols[None, :] > torch.arange(r0, r1, device=q.device)[:, None]
+                rows_mask = None if mask4 is None else mask4[bi, h0:h1, r0:r1]
+                if rows_mask is not None:
+                    blocked_rows = ~rows_mask if rows_mask.dtype == torch.bool else rows_mask <= FLOAT_MASK_BLOCKS
+                    hidden = blocked_rows if hidden is None else hidden | blocked_rows
+                if hidden is not None:
+                    scores.masked_fill_(hidden, -math.inf)
+                lm = scores.amax(dim=(-2, -1)).float()  # (h,): over visible keys, before the mask's values
+                logit_max[bi, h0:h1] = torch.maximum(logit_max[bi, h0:h1], lm)
+                if rows_mask is not None and rows_mask.dtype != torch.bool:
+                    scores.add_(rows_mask.to(work))
+                target = probs[bi, h0:h1, r0:r1]  # contiguous
+                if work == torch.float32:
+                    a = torch.softmax(scores, dim=-1, out=target)
+                else:
+                    a = torch.softmax(scores, dim=-1)
+                    target.copy_(a)
+                dead = None if hidden is None else hidden.all(dim=-1, keepdim=True)  # rows with no visible key
+                if dead is not None and bool(dead.any()):
+                    target.masked_fill_(dead, 0.0)  # as SDPA's output for them: zero
+                    a = a.masked_fill(dead, 0.0)
+                diff = (a @ vw[bi, h0:h1]).sub_(out[bi, h0:h1, r0:r1].to(work)).abs_().div_(v_scale[bi, h0:h1])
+                if dead is not None:
+                    diff.masked_fill_(dead, 0.0)
+                diff.masked_fill_(~torch.isfinite(diff), 0.0)
+                if diff.numel():
+                    errors = torch.maximum(errors, diff.amax())
+    error = float(errors)
     return Recomputed(probs=probs, logit_max=logit_max, error=error, padded=padded, causal=causal)
 
 

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from podmonitor import PODConfig, PODMonitor, analyze
 from podmonitor.capture import CapturedAttention, SDPAAdapter, SDPAHeadMask, TorchMHAAdapter, select_adapter
-from podmonitor.capture.sdpa import SDPA
+from podmonitor.capture.sdpa import DEFAULT_CHUNK_BYTES, SDPA
 from podmonitor.pruning import HeadMasker
 from tests.capture.sdpa_models import (
     GPT,
@@ -147,14 +147,15 @@ class PaddedEncoder(nn.Module):
         return att, logits.masked_fill(~visible, -math.inf).amax(dim=(-2, -1))
 
 
-def test_sdpa_boolean_padding_mask_and_custom_scale():
+@pytest.mark.parametrize("chunk_bytes", [DEFAULT_CHUNK_BYTES, 1])
+def test_sdpa_boolean_padding_mask_and_custom_scale(chunk_bytes):
     torch.manual_seed(0)
     enc = PaddedEncoder().eval()
     x = torch.randn(4, 10, 16)
     pad = torch.zeros(4, 10, dtype=torch.bool)
     pad[1, -3:] = True  # right padding
     pad[3, :2] = True  # left padding
-    cap, _ = capture(enc, x, pad)
+    cap, _ = capture(enc, x, pad, adapter=SDPAAdapter(chunk_bytes=chunk_bytes))
     with torch.no_grad():
         att, lmax = enc.by_hand(x, pad)
     torch.testing.assert_close(cap.fields[0], att, rtol=1e-5, atol=1e-6)
@@ -194,11 +195,12 @@ def test_sdpa_grouped_query_attention_both_ways_capture_the_same():
     torch.testing.assert_close(cap_a.logit_max[0], cap_b.logit_max[0])
 
 
-def test_sdpa_float_sliding_window_mask_as_litgpt_builds_it():
+@pytest.mark.parametrize("chunk_bytes", [DEFAULT_CHUNK_BYTES, 1])
+def test_sdpa_float_sliding_window_mask_as_litgpt_builds_it(chunk_bytes):
     torch.manual_seed(0)
     attn = SlidingWindowAttention(sliding_window_size=4).eval()
     x = torch.randn(3, 12, 16)
-    cap, _ = capture(attn, x)
+    cap, _ = capture(attn, x, adapter=SDPAAdapter(chunk_bytes=chunk_bytes))
     with torch.no_grad():
         q, k, _ = (z.view(3, 12, 2, 8).transpose(1, 2) for z in attn.qkv(x).split(16, -1))
         i, j = torch.arange(12)[:, None], torch.arange(12)[None, :]
@@ -233,12 +235,14 @@ def test_sdpa_timm_vit_block_non_causal():
         torch.testing.assert_close(vit(img), out, rtol=1e-5, atol=1e-5)
 
 
-def test_sdpa_chunked_recomputation_equals_one_chunk():
+@pytest.mark.parametrize("chunk_bytes", [1, 3 * 64 * 4, 2 * 64 * 64 * 4])
+def test_sdpa_chunked_recomputation_equals_one_chunk(chunk_bytes):
+    """One query row at a time, three rows at a time, two heads at a time: the same maps."""
     torch.manual_seed(0)
-    gpt = GPT(GPTConfig(block_size=64)).eval()
+    gpt = GPT(GPTConfig(block_size=64, n_head=4)).eval()
     x = torch.randint(0, 16, (3, 64))
     whole, _ = capture(gpt, x)
-    rows, _ = capture(gpt, x, adapter=SDPAAdapter(chunk_bytes=1))  # one query row at a time
+    rows, _ = capture(gpt, x, adapter=SDPAAdapter(chunk_bytes=chunk_bytes))
     for a, b in zip(whole.fields, rows.fields, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
     for a, b in zip(whole.logit_max, rows.logit_max, strict=True):
