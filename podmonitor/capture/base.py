@@ -175,6 +175,9 @@ class CaptureAdapter(abc.ABC):
     name: ClassVar[str]
     #: True when ``"auto"`` chose this adapter as a last resort (:meth:`may_apply`).
     last_resort: bool = False
+    #: named explicitly (``capture="<name>"`` or the class), the adapter is used for any module: its
+    #: first batch tells whether it fits (the ``sdpa`` adapter: whether the model calls SDPA at all)
+    any_module_when_named: ClassVar[bool] = False
 
     @classmethod
     @abc.abstractmethod
@@ -279,7 +282,7 @@ def select_adapter(
     if isinstance(capture, CaptureAdapter):
         return capture
     if isinstance(capture, type) and issubclass(capture, CaptureAdapter):
-        if not (capture.applies(module) or capture.may_apply(module)):
+        if not (capture.any_module_when_named or capture.applies(module)):
             raise ValueError(f"{capture.__name__} does not apply to {type(module).__name__}")
         return capture()
     classes = adapter_classes()
@@ -300,7 +303,7 @@ def select_adapter(
         if capture == FunctionAdapter.name:
             raise ValueError("capture='function' needs the function itself: pass capture=fn(module, batch)")
         cls = by_name[capture]
-        if not (cls.applies(module) or cls.may_apply(module)):
+        if not (cls.any_module_when_named or cls.applies(module)):
             raise ValueError(
                 f"the {capture!r} adapter does not apply to {type(module).__name__}.\n"
                 + NOTHING_FITS.format(module=type(module).__name__)

@@ -402,6 +402,7 @@ class SDPAAdapter(CaptureAdapter):
     """
 
     name = "sdpa"
+    any_module_when_named = True
 
     def __init__(self, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
         if not isinstance(chunk_bytes, int) or chunk_bytes < 1:

@@ -620,3 +620,35 @@ def test_sdpa_head_mask_gives_gradients_to_a_mask_variable():
     one_head = SDPAHeadMask(gpt, {"transformer.h.0.attn": [1.0]})
     with pytest.raises(ValueError, match="4 heads"), torch.no_grad(), one_head:
         gpt(x)
+
+
+# ----------------------------------------------------------------------------- Hugging Face, forced
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_sdpa_forced_on_hugging_face_sdpa_attention_matches_its_eager_attentions(arch):
+    """capture='sdpa' on transformers' own SDPA path (4-d padding masks, Llama's grouped K/V) equals the
+    probabilities the same model returns in eager mode with output_attentions=True."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if arch == "gpt2":
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=40,
+                                                                     n_positions=32))
+        names = ["transformer.h.0.attn", "transformer.h.1.attn"]
+    else:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=32, intermediate_size=64,
+            vocab_size=40, max_position_embeddings=32))
+        names = ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+    model.eval()
+    model.set_attn_implementation("sdpa")
+    ids = torch.randint(0, 40, (3, 16))
+    mask = torch.ones_like(ids)
+    mask[1, -4:] = 0  # right padding
+    adapter = select_adapter(model, "sdpa")
+    cap, _ = capture(model, adapter=adapter, input_ids=ids, attention_mask=mask)
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
+    assert cap.layer_names == names and cap.flagged == {}
+    assert cap.causal is True and cap.valid.tolist() == [True, False, True]
+    for f, r in zip(cap.fields, ref, strict=True):
+        torch.testing.assert_close(f[[0, 2]], r[[0, 2]], rtol=1e-5, atol=1e-6)  # the unpadded sequences
