@@ -1,14 +1,28 @@
-"""Early pruning decisions from the monitor's numbers (METHOD.md section 7).
+"""Early pruning decisions, measured (METHOD.md section 7).
 
-Data flows one way, as in the rest of podmonitor: the per-head fields feed
-:mod:`.redundancy` (similarity of heads over the ensemble); the reports and the redundancy feed
-:mod:`.advisor` (heads per layer now, recommended under the same budget, heads to drop first);
-:mod:`.readiness` tracks how much the POD subspaces, H* and the advice still move between
-validation runs; :mod:`.callback` (:class:`HeadPruning`, needs Lightning) acts on the advice with
-:mod:`.masking` (reversible head masks). :mod:`.importance` is the gradient-based baseline of
-Michel et al. 2019.
+Importance is measured, not inferred: :mod:`.heads` removes heads temporarily (head gates for the
+reference models, Hugging Face models, ``nn.MultiheadAttention``, SDPA models and hand-written
+attention); :mod:`.ablation` measures the damage of removing heads on validation batches (forward
+passes, label-free KL by default; greedy refinement; Michel et al.'s first-order estimate);
+:mod:`.probe` (:class:`HeadImportanceProbe`, an extra of PODMonitor) does it on the monitored
+validation runs and publishes the advice, the POD statistics beside it with their rank
+correlation to the measured damage, and the readiness (:class:`RankingReadiness`, stability of
+the ranking between runs). :class:`HeadPruning` (:mod:`.callback`, needs Lightning) acts on the
+measured advice with :mod:`.masking` (reversible head masks) and logs the damage right after.
+
+The POD side stays as evidence: :mod:`.redundancy` (similarity of heads over the ensemble),
+:mod:`.advisor` (the H*-based head allocation: a hypothesis, shown with its measured
+correlation), :mod:`.readiness` (drift of POD subspaces, H* and that advice between runs), and
+:mod:`.importance` (Michel et al. 2019 for the reference models).
 """
 
+from .ablation import (
+    Measurer,
+    first_order_importance,
+    greedy_drop_order,
+    single_head_damage,
+    spearman,
+)
 from .advisor import (
     AdviceSettings,
     HeadAllocationAdvice,
@@ -19,15 +33,17 @@ from .advisor import (
     advise_head_allocation,
     evidence_from_reports,
 )
+from .heads import HeadGates
 from .importance import lowest_importance_heads, michel_head_importance, sequence_losses
 from .masking import HeadMasker
-from .readiness import AdviceReadiness, principal_angles, subspace_drift
+from .probe import HeadImportanceProbe, HeadToDrop, MeasuredAdvice
+from .readiness import AdviceReadiness, RankingReadiness, principal_angles, subspace_drift
 from .redundancy import HeadRedundancy, HeadRedundancyAccumulator
 
 
 def __getattr__(name: str):
     # the callback needs Lightning and imports podmonitor.callback: import it only when asked
-    if name in ("HeadPruning", "PruningWarning", "random_heads"):
+    if name in ("HeadPruning", "PruningWarning", "random_heads", "latest_measured_advice"):
         from . import callback
 
         return getattr(callback, name)
@@ -39,20 +55,30 @@ __all__ = [
     "AdviceSettings",
     "HeadAllocationAdvice",
     "HeadDrop",
+    "HeadGates",
+    "HeadImportanceProbe",
     "HeadMasker",
     "HeadPruning",
     "HeadRedundancy",
     "HeadRedundancyAccumulator",
+    "HeadToDrop",
     "LayerAdvice",
     "LayerEvidence",
+    "MeasuredAdvice",
+    "Measurer",
     "PruningWarning",
+    "RankingReadiness",
     "advise_from_reports",
     "advise_head_allocation",
     "evidence_from_reports",
+    "first_order_importance",
+    "greedy_drop_order",
     "lowest_importance_heads",
     "michel_head_importance",
     "principal_angles",
     "random_heads",
     "sequence_losses",
+    "single_head_damage",
+    "spearman",
     "subspace_drift",
 ]

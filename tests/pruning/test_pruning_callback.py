@@ -68,11 +68,11 @@ def test_head_pruning_at_step_masks_logs_and_trains_on(tmp_path):
     assert [e.value for e in acc.Scalars("pod/heads_active/layer_01")] == [1.0]
 
 
-def test_advice_strategy_prunes_the_monitors_first_drops_and_the_advice_is_logged(tmp_path):
+def test_hstar_strategy_prunes_the_monitors_first_drops_and_the_advice_is_logged(tmp_path):
     model = small_model()
     monitor = PODMonitor(n_snapshots=16, config=FAST, per_head=True, images_every_n=1,
                          output_dir=str(tmp_path / "pm"))
-    pruning = HeadPruning(n_heads=2, at_step=4)
+    pruning = HeadPruning(n_heads=2, at_step=4, strategy="hstar")
     logger = TensorBoardLogger(str(tmp_path), name="tb")
     tr = trainer(tmp_path, [monitor, pruning], logger=logger, val_check_interval=4, max_steps=8)
     tr.fit(model, *loaders())
@@ -81,7 +81,7 @@ def test_advice_strategy_prunes_the_monitors_first_drops_and_the_advice_is_logge
     for d in first["drop_order"][:2]:
         expected.setdefault(d["layer_index"], []).append(d["head"])
     assert pruning.masker.pruned == {k: sorted(v) for k, v in expected.items()}
-    assert "podmonitor advice" in pruning.actions[0]["evidence"]
+    assert "H*-based allocation (a hypothesis" in pruning.actions[0]["evidence"]
     # the second run's advice counts only the active heads
     second = monitor.history[1]["head_allocation"]
     assert sum(r["heads_now"] for r in second["layers"]) == 6 - 2
@@ -180,9 +180,9 @@ def test_png_sink_writes_the_table_as_csv(tmp_path):
     assert os.path.exists(tmp_path / "3")
 
 
-@pytest.mark.parametrize("strategy", ["advice", "random"])
+@pytest.mark.parametrize("strategy", ["hstar", "random"])
 def test_a_failing_selection_is_attempted_once_per_validation_not_once_per_batch(tmp_path, strategy):
-    # "advice" without any advice yet; "random" asked for more heads than can go (2 layers x 3 heads)
+    # "hstar" without any advice yet; "random" asked for more heads than can go (2 layers x 3 heads)
     stub = SimpleNamespace(readiness=None, last_advice=None, history=[], run_dir=lambda trainer: str(tmp_path))
     pruning = HeadPruning(n_heads=5, strategy=strategy, at_step=1, monitor=stub)
     attempts: list[int] = []
