@@ -212,6 +212,39 @@ def test_sdpa_float_sliding_window_mask_as_litgpt_builds_it(chunk_bytes):
     assert cap.valid.tolist() == [True] * 3  # the window blocks no key for every query: no padding
 
 
+class ALiBiAttention(nn.Module):
+    """Bidirectional attention with an ALiBi bias (a float mask of finite values, one slope per head)."""
+
+    def __init__(self, dim: int = 16, n_head: int = 4) -> None:
+        super().__init__()
+        self.n_head = n_head
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.register_buffer("slopes", 2.0 ** (-8.0 * torch.arange(1, n_head + 1) / n_head))
+
+    def bias(self, t: int) -> torch.Tensor:
+        pos = torch.arange(t)
+        return -self.slopes[:, None, None] * (pos[None, :] - pos[:, None]).abs()  # (H, T, T)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = (z.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for z in self.qkv(x).split(C, -1))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.bias(T))
+
+
+def test_sdpa_float_bias_mask_is_added_to_the_scores():
+    torch.manual_seed(0)
+    attn = ALiBiAttention().eval()
+    x = torch.randn(2, 9, 16)
+    cap, _ = capture(attn, x)
+    with torch.no_grad():
+        q, k, _ = (z.view(2, 9, 4, 4).transpose(1, 2) for z in attn.qkv(x).split(16, -1))
+        logits = (q @ k.transpose(-1, -2)) / 2.0
+        att = (logits + attn.bias(9)).softmax(-1)
+    assert cap.flagged == {} and cap.causal is False and cap.valid.tolist() == [True, True]
+    torch.testing.assert_close(cap.fields[0], att, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(cap.logit_max[0], logits.amax(dim=(-2, -1)))  # q.k * scale, without the bias
+
+
 def test_sdpa_timm_vit_block_non_causal():
     torch.manual_seed(0)
     vit = TinyViT().eval()
@@ -330,7 +363,8 @@ def test_sdpa_self_check_flags_a_soft_capped_layer_and_reports_the_other():
         cap, _ = capture(model, x, adapter=adapter)
         assert list(cap.flagged) == ["1"] and "self-check failed" in cap.flagged["1"]
         assert cap.layer_names == ["0"]
-        # the flag sticks: the layers stay the same from batch to batch
+        # the flag sticks (the layers stay the same from batch to batch), even if a later batch would pass
+        model[1].cap = None
         again, _ = capture(model, x, adapter=adapter)
         assert again.layer_names == ["0"] and list(again.flagged) == ["1"]
         # every layer capped: nothing to report, the reasons are in the error
