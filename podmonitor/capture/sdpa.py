@@ -19,6 +19,7 @@ import functools
 import inspect
 import math
 import sys
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -692,12 +693,15 @@ class SDPAHeadMask:
             sub = self._paths[path]
             self._handles.append(sub.register_forward_pre_hook(partial(self._enter, path)))
             self._handles.append(sub.register_forward_hook(partial(self._leave, path), always_call=True))
+            _ATTACHED[sub] = (self, path)
 
     def detach(self) -> None:
         """Remove every hook (the model is as before); idempotent."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        for sub in [m for m, (owner, _) in list(_ATTACHED.items()) if owner is self]:
+            _ATTACHED.pop(sub, None)
         for modes in self._modes.values():
             for mode in modes:
                 _exit_mode(mode)
@@ -738,11 +742,36 @@ class SDPAHeadMask:
         raise ValueError(f"layer {name!r} has {h} heads (batch {b}) but its head mask has shape {tuple(m.shape)}")
 
 
+#: module -> (the attached SDPAHeadMask masking it, the module's path in that mask's model)
+_ATTACHED: weakref.WeakKeyDictionary[nn.Module, tuple[SDPAHeadMask, str]] = weakref.WeakKeyDictionary()
+
+
+def active_heads(module: nn.Module) -> dict[str, list[bool]]:
+    """``{layer name: (H,) bool}`` of the attached :class:`SDPAHeadMask` masks inside ``module``.
+
+    Layer names are module paths within ``module`` (the names :class:`SDPAAdapter` gives when it
+    captures ``module``); False marks a head whose mask is 0. Per-sequence (B, H) masks and layers
+    without an attached mask are left out.
+    """
+    out: dict[str, list[bool]] = {}
+    for path, sub in module.named_modules():
+        entry = _ATTACHED.get(sub)
+        if entry is None:
+            continue
+        owner, owner_path = entry
+        for name, mask in owner.masks.items():
+            base, sep, index = name.partition("#")
+            if base == owner_path and mask.dim() == 1:
+                out[_clean(path) + (sep + index)] = [bool(v != 0) for v in mask.detach().tolist()]
+    return out
+
+
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
     "SDPA",
     "SELF_CHECK_TOLERANCE",
     "Recomputed",
+    "active_heads",
     "SDPAAdapter",
     "SDPACall",
     "SDPAHeadMask",

@@ -686,3 +686,18 @@ def test_sdpa_forced_on_hugging_face_sdpa_attention_matches_its_eager_attentions
     assert cap.causal is True and cap.valid.tolist() == [True, False, True]
     for f, r in zip(cap.fields, ref, strict=True):
         torch.testing.assert_close(f[[0, 2]], r[[0, 2]], rtol=1e-5, atol=1e-6)  # the unpadded sequences
+
+
+def test_sdpa_active_heads_names_match_the_captured_layers():
+    from podmonitor.capture.sdpa import active_heads
+
+    module = NanoGPTModule()
+    masker = HeadMasker(module)
+    masker.apply({1: [0]})
+    x = torch.randint(0, 16, (2, 32))
+    cap, _ = capture(module.model, x)
+    assert active_heads(module) == {"model.transformer.h.1.attn": [False, True]}
+    assert active_heads(module.model) == {"transformer.h.1.attn": [False, True]}  # relative to the module given
+    assert set(active_heads(module.model)) <= set(cap.layer_names)
+    masker.restore()
+    assert active_heads(module) == {}
