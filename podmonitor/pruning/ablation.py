@@ -440,6 +440,39 @@ def first_order_importance(measurer: Measurer, batches: Sequence[Any]) -> tuple[
     return total, count
 
 
+def measured_drop(measurer: Measurer, batches: Sequence[Any], n: int, *, scores: Tensor | None = None,
+                  refine: bool = True, group: int | None = None,
+                  min_heads: int = 1) -> tuple[list[tuple[int, int]], list[GreedyStep] | None, Tensor | None]:
+    """The ``n`` heads the measured advice drops: (heads in drop order, greedy steps or None, single-head
+    damage (L, H_max) or None).
+
+    With ``refine`` and ``n > 1``: greedy on ``batches``, ``group`` heads per round (default
+    ``ceil(n / 8)``: at most 8 rounds). Otherwise the ``n`` heads of lowest single-head damage:
+    ``scores`` when given, else measured on ``batches``.
+
+    Raises:
+        ValueError: fewer than ``n`` heads can go (``min_heads`` per layer), or nothing to measure on.
+    """
+    n_heads = measurer.gates.n_heads
+    if refine and n > 1:
+        if not batches:
+            raise ValueError("the greedy refinement needs batches to measure on")
+        steps = greedy_drop_order(measurer, batches, n, min_heads=min_heads, group=group or max(1, math.ceil(n / 8)))
+        if len(steps) < n:
+            raise ValueError(f"cannot drop {n} heads keeping {min_heads} per layer")
+        return [(st.layer, st.head) for st in steps], steps, scores
+    if scores is None:
+        if not batches:
+            raise ValueError("no scores and no batches to measure on")
+        total, count = single_head_damage(measurer, batches)
+        scores = total / count.clamp_min(1.0)
+        scores[count == 0] = math.nan
+    picked = lowest_first(scores, n_heads, measurer.base_pruned, n, min_heads)
+    if len(picked) < n:
+        raise ValueError(f"cannot drop {n} heads keeping {min_heads} per layer")
+    return picked, None, scores
+
+
 # ----------------------------------------------------------------------------- ranks
 def rank_values(x: Sequence[float]) -> list[float]:
     """Ranks 1..n of the values (ties get their average rank)."""
@@ -515,6 +548,7 @@ __all__ = [
     "kl_damage",
     "lowest_first",
     "map_tensors",
+    "measured_drop",
     "output_tensor",
     "rank_values",
     "removable",

@@ -67,8 +67,7 @@ from .ablation import (
     Measurer,
     as_heads,
     first_order_importance,
-    greedy_drop_order,
-    lowest_first,
+    measured_drop,
     single_head_damage,
 )
 from .advisor import HeadAllocationAdvice
@@ -392,20 +391,15 @@ class HeadPruning(MonitorCallback):
             raise ValueError("no measured head importance: no HeadImportanceProbe measurement and no validation "
                              "batches to measure on")
         n = self.n_heads
-        if self.refine and n > 1 and batches:
+        refine = self.refine and n > 1 and bool(batches)
+        with gates, _evaluating(pl_module):
+            picked, steps, _ = measured_drop(measurer, batches, n, scores=scores, refine=refine, group=self.group,
+                                             min_heads=self.min_heads)
+        heads = as_heads(picked)
+        if steps is not None:
             group = self.group or max(1, math.ceil(n / 8))
-            with gates, _evaluating(pl_module):
-                steps = greedy_drop_order(measurer, batches, n, min_heads=self.min_heads, group=group)
-            if len(steps) < n:
-                raise ValueError(f"cannot prune {n} heads keeping {self.min_heads} per layer")
-            heads = as_heads([(st.layer, st.head) for st in steps])
             lines.append(f"greedy refinement on {len(batches)} validation batches, {group} head(s) per round: "
                          + ", ".join(f"L{st.layer}h{st.head} (set damage {st.set_damage:.4g})" for st in steps))
-        else:
-            picked = lowest_first(scores, gates.n_heads, pruned, n, self.min_heads)
-            if len(picked) < n:
-                raise ValueError(f"cannot prune {n} heads keeping {self.min_heads} per layer")
-            heads = as_heads(picked)
         lines.append("single-head damage of the chosen heads: " + ", ".join(
             f"L{i}h{h}={float(scores[i, h]):.4g}" for i, hs in heads.items() for h in hs))
         c = measurer.cost
