@@ -44,8 +44,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
-from torch.utils.hooks import RemovableHandle
 
+from ..capture.hooks import HookHandles
 from ..models.gpt import CausalSelfAttention
 
 KINDS = ("reference", "huggingface", "torch_mha", "sdpa", "projection")
@@ -200,7 +200,7 @@ class HeadGates:
                              "Name the output projections: HeadGates(model, projections={'<path>': n_head, ...})")
         self.layers = layers
         self._gates: dict[int, Tensor] = {}
-        self._handles: list[RemovableHandle] = []
+        self._hooks = HookHandles()
         self._saved: dict[int, Tensor] = {}  # reference kind: the head_mask buffers while gated
         self._sdpa: Any = None
         self._param_order: list[list[str]] = []  # torch_mha: the projections' parameter names, in order
@@ -240,7 +240,7 @@ class HeadGates:
             return
         if self.kind in ("huggingface", "projection"):
             for i, layer in enumerate(self.layers):
-                self._handles.append(layer.module.register_forward_pre_hook(self._input_hook(i, layer)))
+                self._hooks.add(layer.module.register_forward_pre_hook(self._input_hook(i, layer)))
         elif self.kind == "torch_mha":
             self._param_order = [list(layer.module.out_proj._parameters) for layer in self.layers]
             for i, layer in enumerate(self.layers):
@@ -257,9 +257,7 @@ class HeadGates:
     def detach(self) -> None:
         """Clear every gate and remove the hooks: the model is as before (idempotent)."""
         self.clear()
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        self._hooks.remove()
         if self.kind == "torch_mha" and self._attached:
             for layer, order in zip(self.layers, self._param_order, strict=True):
                 proj = layer.module.out_proj

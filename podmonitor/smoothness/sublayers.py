@@ -38,9 +38,9 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
 from podmonitor.capture._util import blocked, get_arg, is_causal_mask, set_arg
+from podmonitor.capture.hooks import HookHandles, MHAFastPathOff, mha_fastpath_off
 
 PrefixMode = Literal["prefix", "block", "full"]
 SublayerKind = Literal["gpt", "huggingface", "torch_mha"]
@@ -90,24 +90,6 @@ def _modes_kept(modules: Sequence[nn.Module]) -> Iterator[None]:
     finally:
         for m, mode in saved:
             m.training = mode
-
-
-@contextlib.contextmanager
-def _mha_fastpath_off() -> Iterator[None]:
-    """``torch.backends.mha`` fast path off (it would skip the math path and ``self_attn`` calls).
-
-    The previous value is put back only if nobody changed the setting in between (another
-    callback toggling it with its own hooks, in any order, is not overridden). The same rule as
-    ``TorchMHAAdapter.start`` / ``stop`` in :mod:`podmonitor.capture.torch_mha`, which keeps it
-    inline across two methods (no helper there to share).
-    """
-    previous = torch.backends.mha.get_fastpath_enabled()
-    torch.backends.mha.set_fastpath_enabled(False)
-    try:
-        yield
-    finally:
-        if torch.backends.mha.get_fastpath_enabled() is False:
-            torch.backends.mha.set_fastpath_enabled(previous)
 
 
 def _tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -450,7 +432,7 @@ class BoundSublayer:
             stack.enter_context(_modes_kept([self.module]))
             stack.enter_context(torch.autocast(self.x.device.type, enabled=False))
             if self.sub.kind == "torch_mha":
-                stack.enter_context(_mha_fastpath_off())
+                stack.enter_context(mha_fastpath_off())
             if self.sub.kind == "huggingface":
                 stack.enter_context(_hf_eager(self._hf_model))
             yield
@@ -536,22 +518,18 @@ class InputCapture:
     def __init__(self, sublayers: Sequence[AttentionSublayer]) -> None:
         self.sublayers = list(sublayers)
         self.calls: dict[str, CapturedCall] = {}
-        self._handles: list[RemovableHandle] = []
-        self._stack: contextlib.ExitStack | None = None
+        self._hooks = HookHandles()  # the shared capture mechanism (podmonitor.capture.hooks)
+        self._fastpath = MHAFastPathOff()
 
     def start(self) -> None:
         self.stop()
         self.calls = {}
-        stack = contextlib.ExitStack()
         try:
             if any(s.kind == "torch_mha" for s in self.sublayers):
-                stack.enter_context(_mha_fastpath_off())
-            self._stack = stack
+                self._fastpath.switch_off()
             for s in self.sublayers:
-                self._handles.append(s.module.register_forward_pre_hook(self._hook_for(s), with_kwargs=True))
+                self._hooks.add(s.module.register_forward_pre_hook(self._hook_for(s), with_kwargs=True))
         except BaseException:
-            stack.close()
-            self._stack = None
             self.stop()
             raise
 
@@ -569,12 +547,9 @@ class InputCapture:
         return hook
 
     def stop(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-        if self._stack is not None:
-            stack, self._stack = self._stack, None
-            stack.close()
+        """Remove the hooks and put the fast path back (idempotent)."""
+        self._hooks.remove()
+        self._fastpath.restore()
 
     @contextlib.contextmanager
     def capturing(self) -> Iterator[InputCapture]:
