@@ -15,7 +15,7 @@ import math
 import time
 import uuid
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -26,10 +26,16 @@ from .capture import CaptureAdapter, CapturedAttention, select_adapter
 from .distributed import all_gather_ints, all_gather_object, global_rank, is_distributed, share_quota, world_size
 from .engine import MemoryBudgetError, PODAccumulator, PODConfig, PODReport
 from .engine.stability import StabilityAccumulator
-from .extras import ExtraContext, ExtraResult, MonitorExtra
-from .pruning.advisor import AdviceSettings, HeadAllocationAdvice, advise_from_reports
-from .pruning.readiness import AdviceReadiness
-from .pruning.redundancy import HeadRedundancy, HeadRedundancyAccumulator
+from .extras import (
+    ExtraContext,
+    ExtraResult,
+    HeadAdvice,
+    HeadAnalysis,
+    MonitorExtra,
+    Readiness,
+    find_extra,
+    per_head_analysis,
+)
 
 STATE_VERSION = 1
 #: default scale of the coherency map (tokens): scales[4] of the default grid, 2^(1 + 5 * 4 / 19) = 4.15
@@ -78,11 +84,15 @@ class PODMonitor(MonitorCallback):
         per_head: also analyse each head's field (H times the work and memory), and with it the
             redundancy of the heads of each layer, the head allocation advice (heads per layer
             now, recommended under the same budget, heads to drop first; METHOD.md section 7) and
-            its readiness (drift of the dominant POD subspaces and of H* between runs); see
-            :mod:`podmonitor.pruning` and docs/pruning.md. Kept in ``last_advice``,
-            ``last_redundancy``, ``readiness``, the history and the JSON-lines record.
-        advice: settings of the head allocation advisor (default ``AdviceSettings()``; per_head only).
-        readiness: the readiness tracker (default ``AdviceReadiness(eps=advice.eps)``; per_head only).
+            its readiness (drift of the dominant POD subspaces and of H* between runs): the head
+            analysis, an extra of the pruning package added first to ``extras``
+            (:func:`~podmonitor.extras.per_head_analysis`; see docs/pruning.md). Kept in
+            ``last_advice``, ``last_redundancy``, ``readiness``, the history and the JSON-lines
+            record.
+        advice: settings of the head allocation advisor, a
+            :class:`~podmonitor.pruning.AdviceSettings` (default ``AdviceSettings()``; per_head only).
+        readiness: the readiness tracker, a :class:`~podmonitor.pruning.AdviceReadiness` (default
+            ``AdviceReadiness(eps=advice.eps)``; per_head only).
         log_images: log pictures.
         images_every_n: pictures on every n-th monitored run, the first one included (default 2:
             drawing about five pictures per layer costs more than the analysis itself; set 1 for
@@ -125,8 +135,8 @@ class PODMonitor(MonitorCallback):
         output_dir: str | None = None,
         prefix: str = "pod",
         strict: bool = False,
-        advice: AdviceSettings | None = None,
-        readiness: AdviceReadiness | None = None,
+        advice: Any = None,
+        readiness: Any = None,
         dataloader_idx: int = 0,
         extras: Sequence[MonitorExtra] = (),
         coherency_max_len: int = 512,
@@ -142,21 +152,17 @@ class PODMonitor(MonitorCallback):
         extras = list(extras)
         if not all(isinstance(e, MonitorExtra) for e in extras):
             raise ValueError("extras must be MonitorExtra instances")
-        if len({e.name for e in extras}) != len(extras):
-            raise ValueError(f"extras need unique names, got {[e.name for e in extras]}")
         if config is not None and not isinstance(config, PODConfig):
             raise ValueError(f"config must be a PODConfig, got {type(config).__name__}")
         if not (isinstance(capture, (str, CaptureAdapter)) or callable(capture)):
             raise ValueError("capture must be 'auto', an adapter name, a CaptureAdapter or a function")
-        if advice is not None and not isinstance(advice, AdviceSettings):
-            raise ValueError(f"advice must be an AdviceSettings, got {type(advice).__name__}")
-        if readiness is not None and not isinstance(readiness, AdviceReadiness):
-            raise ValueError(f"readiness must be an AdviceReadiness, got {type(readiness).__name__}")
-        self.advice_settings = advice or AdviceSettings()
-        cfg_eps = (config or PODConfig()).eps
-        if per_head and not any(math.isclose(self.advice_settings.eps, e, rel_tol=1e-9) for e in cfg_eps):
-            raise ValueError(f"advice eps {self.advice_settings.eps} is not among PODConfig.eps {cfg_eps}")
-        self.readiness = readiness or (AdviceReadiness(eps=self.advice_settings.eps) if per_head else None)
+        if per_head and not any(isinstance(e, HeadAnalysis) for e in extras):
+            # the head analysis comes first: later extras (the probe) read its redundancy
+            extras.insert(0, per_head_analysis(config or PODConfig(), advice=advice, readiness=readiness))
+        elif per_head and (advice is not None or readiness is not None):
+            raise ValueError("advice and readiness belong to the head analysis given in extras; give them there")
+        if len({e.name for e in extras}) != len(extras):
+            raise ValueError(f"extras need unique names, got {[e.name for e in extras]}")
         self.n_snapshots = n_snapshots
         self.every_n_validations = every_n_validations
         self.config = config or PODConfig()
@@ -181,9 +187,6 @@ class PODMonitor(MonitorCallback):
         self.validation_count = 0
         self.monitored_count = 0
         self.last_reports: dict[str, PODReport] = {}
-        self.last_redundancy: dict[str, HeadRedundancy] = {}
-        self.last_advice: HeadAllocationAdvice | None = None
-        self.last_readiness: dict[str, Any] | None = None
         self.timings: dict[str, float] = {}
         self._adapter: CaptureAdapter | None = None
         self._adapter_error: str | None = None
@@ -192,6 +195,45 @@ class PODMonitor(MonitorCallback):
         self._notes_once: set[str] = set()
         self._stage = "fit"
         self._reset_run()
+
+    # ------------------------------------------------ the head analysis (per_head)
+    @property
+    def head_analysis(self) -> HeadAnalysis | None:
+        """The head analysis among ``extras`` (``per_head=True``), or None."""
+        return find_extra(self, HeadAnalysis)
+
+    @property
+    def last_advice(self) -> HeadAdvice | None:
+        """The last run's H*-based head allocation advice (:class:`~podmonitor.pruning.HeadAllocationAdvice`;
+        ``per_head=True``), or None."""
+        head = self.head_analysis
+        return None if head is None else head.last_advice
+
+    @property
+    def last_redundancy(self) -> Mapping[str, Any]:
+        """``{layer: HeadRedundancy}`` of the last run (``per_head=True``; else empty)."""
+        head = self.head_analysis
+        return {} if head is None else head.last_redundancy
+
+    @property
+    def last_readiness(self) -> dict[str, Any] | None:
+        """The last run's readiness record (``per_head=True``), or None."""
+        head = self.head_analysis
+        return None if head is None else head.last_readiness
+
+    @property
+    def readiness(self) -> Readiness | None:
+        """The readiness tracker of the head allocation advice (:class:`~podmonitor.pruning.AdviceReadiness`;
+        ``per_head=True``), or None."""
+        head = self.head_analysis
+        return None if head is None else head.readiness
+
+    @property
+    def advice_settings(self) -> Any:
+        """The head allocation advisor's settings (:class:`~podmonitor.pruning.AdviceSettings`;
+        ``per_head=True``), or None."""
+        head = self.head_analysis
+        return None if head is None else head.settings
 
     # ----------------------------------------------------------- bookkeeping
     @property
@@ -208,7 +250,6 @@ class PODMonitor(MonitorCallback):
         self._shared_batches = 0  # batches over which the quota is shared (same on every rank)
         self._taken_all = 0  # snapshots taken by all ranks so far (shared quota only)
         self._accumulators: dict[str, PODAccumulator] = {}
-        self._redundancy: dict[str, HeadRedundancyAccumulator] = {}
         self._stability: dict[str, StabilityAccumulator] = {}  # METHOD.md section 10, per layer
         self._flagged: dict[str, str] = {}  # layers the capture excluded (e.g. a failed self-check)
         self._counters: dict[str, int] = {}  # the capture's event counts (e.g. cross-attention calls)
@@ -409,7 +450,6 @@ class PODMonitor(MonitorCallback):
                 self._layer_names.remove(name)
                 for key in [k for k in self._accumulators if k == name or k.startswith(name + "/")]:
                     del self._accumulators[key]
-                self._redundancy.pop(name, None)
                 self._stability.pop(name, None)
         if not captured.fields:
             raise ValueError("the capture returned no attention layers")
@@ -435,7 +475,6 @@ class PODMonitor(MonitorCallback):
                         continue
                     for h in range(f.shape[1]):
                         self._accumulators[f"{name}/head_{h:02d}"] = PODAccumulator(config)
-                    self._redundancy[name] = HeadRedundancyAccumulator(config.dtype)
         elif [n for n in captured.layer_names if n not in self._flagged] != self._layer_names:
             raise ValueError("the captured layers changed between batches")
         n_seq, seq_len = captured.fields[0].shape[0], captured.fields[0].shape[-1]
@@ -454,7 +493,7 @@ class PODMonitor(MonitorCallback):
 
     def _add(self, captured: CapturedAttention, index: torch.Tensor) -> None:
         """Head-average the sequences ``index`` (b,) of every reported layer and feed the
-        accumulators (POD, per head, redundancy, stability signals)."""
+        accumulators (POD, per head, the extras' ``on_attention``, stability signals)."""
         logits = captured.logit_max or [None] * len(captured.fields)
         try:
             for name, f, lm in zip(captured.layer_names, captured.fields, logits, strict=True):
@@ -465,7 +504,8 @@ class PODMonitor(MonitorCallback):
                 if self.per_head:
                     for h in range(sel.shape[1]):
                         self._accumulators[f"{name}/head_{h:02d}"].update(sel[:, h])
-                    self._redundancy[name].update(sel)
+                for extra in self.extras:  # e.g. the head analysis's redundancy sums
+                    self._call_extra(extra, "on_attention", name, sel)
                 stab = self._stability.get(name)
                 if stab is not None:
                     stab.update(sel, None if lm is None else lm.index_select(0, index.to(lm.device)),
@@ -520,7 +560,6 @@ class PODMonitor(MonitorCallback):
         payload: dict[str, Any] = {
             "layer_names": self._layer_names,
             "accumulators": dict(self._accumulators),
-            "redundancy": dict(self._redundancy),
             "skipped": dict(self._skipped),
             "taken": self._taken,
             "errors": list(self._run_errors),
@@ -535,10 +574,9 @@ class PODMonitor(MonitorCallback):
             payload["accumulators"] = {
                 name: {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in acc.state_dict().items()}
                 for name, acc in self._accumulators.items()}
-            payload["redundancy"] = {name: acc.state_dict() for name, acc in self._redundancy.items()}
             payload["stability"] = {name: acc.state_dict() for name, acc in self._stability.items()}
         except Exception as err:  # noqa: BLE001 - this rank still joins the collective, with its error
-            payload.update(layer_names=[], accumulators={}, redundancy={}, stability={}, taken=0)
+            payload.update(layer_names=[], accumulators={}, stability={}, taken=0)
             payload["errors"].append(f"rank {global_rank(trainer)}: preparing its snapshots failed "
                                      f"({type(err).__name__}: {err})")
         try:
@@ -581,9 +619,6 @@ class PODMonitor(MonitorCallback):
                     self._reference(key, acc, reports[key])
         self.last_reports = reports
         self._merge_stability(states, names)
-        self.last_redundancy = {}
-        if self.per_head:
-            self.last_redundancy = self._merge_redundancy(states)
         return reports
 
     def _merge_stability(self, states: list[dict[str, Any]], names: Sequence[str]) -> None:
@@ -674,52 +709,13 @@ class PODMonitor(MonitorCallback):
         """Rank zero: each extra's result from every rank's part (a failing extra is left out)."""
         self.last_extras = {}
         context = ExtraContext(step=int(trainer.global_step), stage=self._stage, layer_names=list(self._layer_names),
-                               reports=reports, prefix=self.prefix)
+                               reports=reports, prefix=self.prefix, active=self._active, strict=self.strict)
         for extra in self.extras:
             parts = [s.get("extras", {}).get(extra.name) for s in states]
             result = self._call_extra(extra, "compute", parts, context)
             if result is not None:
                 self.last_extras[extra.name] = result
-
-    def _merge_redundancy(self, states: list[dict[str, Any]]) -> dict[str, HeadRedundancy]:
-        """Merge every process's head-redundancy sums and compute them (a failing layer is left out
-        with a note in the run's errors)."""
-        out: dict[str, HeadRedundancy] = {}
-        names = list(next((s["redundancy"] for s in states if s.get("redundancy")), {}).keys())
-        for name in names:
-            merged = HeadRedundancyAccumulator(self.config.dtype)
-            try:
-                for s in states:
-                    item = s.get("redundancy", {}).get(name)
-                    if item is None:
-                        continue
-                    if not isinstance(item, HeadRedundancyAccumulator):
-                        part = HeadRedundancyAccumulator(self.config.dtype)
-                        part.load_state_dict(item)
-                        item = part
-                    merged.merge(item)
-                out[name] = merged.compute()
-            except ValueError as err:
-                self._run_errors.append(f"head redundancy of {name}: {err}")
-        return out
-
-    def _advise(self, step: int, reports: dict[str, PODReport]) -> None:
-        """Head allocation advice and readiness of this run (per_head only); failures become notes."""
-        self.last_advice, self.last_readiness = None, None
-        try:
-            self.last_advice = advise_from_reports(reports, self._layer_names, self.last_redundancy,
-                                                   self.advice_settings, active=self._active)
-        except Exception as err:  # noqa: BLE001 - advice is optional; the reports still go out
-            if self.strict:
-                raise
-            self._run_errors.append(f"head allocation advice failed: {type(err).__name__}: {err}")
-        if self.readiness is not None:
-            try:
-                self.last_readiness = self.readiness.update(step, reports, self._layer_names, self.last_advice)
-            except Exception as err:  # noqa: BLE001
-                if self.strict:
-                    raise
-                self._run_errors.append(f"readiness tracking failed: {type(err).__name__}: {err}")
+                self._run_errors.extend(result.notes)
 
     def _get_publisher(self) -> Any:
         from .reporting.publish import Publisher
@@ -732,8 +728,6 @@ class PODMonitor(MonitorCallback):
     def _report(self, trainer: Trainer, reports: dict[str, PODReport]) -> None:
         """Rank zero only (no collective in here): write the run's outputs, keep its summary."""
         images = self._picture_run
-        if self.per_head:
-            self._advise(int(trainer.global_step), reports)
         summary = self._get_publisher().publish(
             loggers=trainer.loggers,
             reports=reports,
@@ -744,9 +738,6 @@ class PODMonitor(MonitorCallback):
             skipped=dict(self._skipped),
             errors=list(self._run_errors),
             timings=dict(self.timings),
-            head_allocation=self.last_advice,
-            head_redundancy=self.last_redundancy if self.per_head else None,
-            readiness=self.last_readiness,
             stage=self._stage,
             stability=self._layer_extras(),
             extra_record={"n_requested": self.n_snapshots, "n_taken": self._taken,
@@ -802,7 +793,6 @@ class PODMonitor(MonitorCallback):
             "n_snapshots": self.n_snapshots,
             "every_n_validations": self.every_n_validations,
             "config": self.config.to_dict(),
-            "readiness": self.readiness.state_dict() if self.readiness is not None else None,
             "run_id": self.run_id,
             "reference_scales": dict(self.reference_scales),
             "extras": {e.name: e.state_dict() for e in self.extras},
@@ -816,8 +806,9 @@ class PODMonitor(MonitorCallback):
         self._history = list(state_dict.get("history", []))
         self.validation_count = int(state_dict.get("validation_count", 0))
         self.monitored_count = int(state_dict.get("monitored_count", 0))
-        if self.readiness is not None and state_dict.get("readiness"):
-            self.readiness.load_state_dict(state_dict["readiness"])
+        head = self.head_analysis
+        if head is not None and state_dict.get("readiness") and not (state_dict.get("extras") or {}).get(head.name):
+            head.load_state_dict({"readiness": state_dict["readiness"]})  # a checkpoint from before the extras
         self.reference_scales = {str(k): float(v) for k, v in (state_dict.get("reference_scales") or {}).items()}
         for extra in self.extras:
             part = (state_dict.get("extras") or {}).get(extra.name)

@@ -13,7 +13,9 @@ measured advice with :mod:`.masking` (reversible head masks) and logs the damage
 The POD side stays as evidence: :mod:`.redundancy` (similarity of heads over the ensemble),
 :mod:`.advisor` (the H*-based head allocation: a hypothesis, shown with its measured
 correlation), :mod:`.readiness` (drift of POD subspaces, H* and that advice between runs), and
-:mod:`.importance` (Michel et al. 2019 for the reference models).
+:mod:`.importance` (Michel et al. 2019 for the reference models). :mod:`.allocation`
+(:class:`HeadAllocationExtra`, the extra that ``PODMonitor(per_head=True)`` adds) runs the first
+three on the monitored validation runs and publishes them.
 """
 
 from .ablation import (
@@ -33,6 +35,7 @@ from .advisor import (
     advise_head_allocation,
     evidence_from_reports,
 )
+from .allocation import HeadAllocationExtra, allocation_outputs
 from .heads import HeadGates
 from .importance import lowest_importance_heads, michel_head_importance, sequence_losses
 from .masking import HeadMasker
@@ -54,6 +57,7 @@ __all__ = [
     "AdviceReadiness",
     "AdviceSettings",
     "HeadAllocationAdvice",
+    "HeadAllocationExtra",
     "HeadDrop",
     "HeadGates",
     "HeadImportanceProbe",
@@ -70,6 +74,7 @@ __all__ = [
     "RankingReadiness",
     "advise_from_reports",
     "advise_head_allocation",
+    "allocation_outputs",
     "evidence_from_reports",
     "first_order_importance",
     "greedy_drop_order",

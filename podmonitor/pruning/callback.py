@@ -62,6 +62,7 @@ from lightning.pytorch import LightningModule, Trainer
 
 from ..callback_base import MonitorCallback
 from ..distributed import all_ranks_true, broadcast_object, resolve_run_dir
+from ..extras import HeadAdviceSource
 from ..reporting.delivery import Outputs
 from .ablation import (
     Measurer,
@@ -127,11 +128,13 @@ def advice_heads(advice: HeadAllocationAdvice | Mapping[str, Any], n: int) -> He
     return {k: sorted(v) for k, v in sorted(out.items())}
 
 
-def find_monitor(trainer: Trainer) -> Any:
-    """The trainer's PODMonitor, or None."""
-    from ..callback import PODMonitor
+def find_monitor(trainer: Trainer) -> HeadAdviceSource | None:
+    """The trainer's monitor: its first callback with head advice, readiness and history (a PODMonitor), or None.
 
-    found = [cb for cb in trainer.callbacks if isinstance(cb, PODMonitor)]  # type: ignore[attr-defined]
+    Read through :class:`~podmonitor.extras.HeadAdviceSource` (the monitor's properties, which read
+    its head analysis extra), not through an import of the monitor.
+    """
+    found = [cb for cb in trainer.callbacks if isinstance(cb, HeadAdviceSource)]  # type: ignore[attr-defined]
     return found[0] if found else None
 
 
@@ -162,7 +165,7 @@ def _evaluating(module: Any) -> Iterator[None]:
             m.training = mode
 
 
-def latest_advice(monitor: Any) -> HeadAllocationAdvice | Mapping[str, Any] | None:
+def latest_advice(monitor: HeadAdviceSource | None) -> HeadAllocationAdvice | Mapping[str, Any] | None:
     """The monitor's newest H*-based advice (the hypothesis): its live object, else the last one in
     its (checkpointed) history."""
     if monitor is None:
@@ -270,7 +273,7 @@ class HeadPruning(MonitorCallback):
         return self._generate_state_key(at_step=self.at_step, when_ready=self.when_ready)
 
     # ------------------------------------------------------------------ helpers
-    def _monitor(self, trainer: Trainer) -> Any:
+    def _monitor(self, trainer: Trainer) -> HeadAdviceSource | None:
         return self.monitor if self.monitor is not None else find_monitor(trainer)
 
     def _setup_run_dir(self, trainer: Trainer) -> None:

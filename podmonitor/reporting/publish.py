@@ -17,10 +17,10 @@ from typing import Any
 import numpy as np
 
 from ..engine.report import PODReport
+from ..extras import ExtraResult
 from .delivery import Outputs
 from .figures import (
     figure_to_array,
-    head_allocation_figure,
     layer_images,
     scale_organisation_figure,
     trend_heatmap_figure,
@@ -104,24 +104,20 @@ class Publisher:
 
     def publish(self, *, loggers: Any, reports: Mapping[str, PODReport], layer_names: Sequence[str], step: int,
                 epoch: int, images: bool, skipped: Mapping[str, int], errors: Sequence[str],
-                timings: Mapping[str, float], head_allocation: Any = None,
-                head_redundancy: Mapping[str, Any] | None = None,
-                readiness: Mapping[str, Any] | None = None, stage: str = "fit",
+                timings: Mapping[str, float], stage: str = "fit",
                 stability: Mapping[str, Mapping[str, float]] | None = None,
                 extra_record: Mapping[str, Any] | None = None,
                 extra_scalars: Mapping[str, float] | None = None,
-                extras: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                extras: Mapping[str, ExtraResult] | None = None) -> dict[str, Any]:
         """Write everything for one monitored validation run; returns the history entry.
 
-        ``head_allocation`` (a :class:`~podmonitor.pruning.HeadAllocationAdvice`), ``head_redundancy``
-        (``{layer: HeadRedundancy}``) and ``readiness`` (the record of
-        :meth:`~podmonitor.pruning.AdviceReadiness.update`) come with the per-head analysis; each
-        adds its part to the record, the scalars, the text, the pictures and a table
-        (:func:`pruning_outputs`). ``extra_record`` adds keys to the JSON-lines record,
-        ``extra_scalars`` scalars to every logger; ``extras`` (``{name: ExtraResult}``, see
-        :mod:`podmonitor.extras`) add their scalars, texts, tables, pictures and a record entry
-        under their name. The failures of single outputs are in the
-        returned entry's ``output_failures``.
+        ``extra_record`` adds keys to the JSON-lines record, ``extra_scalars`` scalars to every
+        logger; ``extras`` (``{name: ExtraResult}``, see :mod:`podmonitor.extras`; the head
+        analysis of ``per_head=True`` is one) add their scalars, texts, tables, pictures (drawn
+        here, on picture runs, when given as functions), a record entry under their name and
+        their ``record_top`` keys (the ``history_keys`` among them also in the history entry).
+        An extra with an empty ``record`` has no entry under its name.
+        The failures of single outputs are in the returned entry's ``output_failures``.
         """
         self.outputs.clear_failures()
         p = self.prefix
@@ -137,17 +133,22 @@ class Publisher:
             "timings": dict(timings),
             "layers": {name: rep.to_dict() for name, rep in reports.items()},
         }
-        if head_allocation is not None:
-            record["head_allocation"] = head_allocation.to_dict()
-        if head_redundancy:
-            record["head_redundancy"] = {name: red.to_dict() for name, red in head_redundancy.items()}
-        if readiness is not None:
-            record["readiness"] = strict_jsonable(dict(readiness))
+        extras = dict(extras or {})
+        reserved = {*record, *(extra_record or {}), *extras}
+        history_keys: list[str] = []
+        for name, res in extras.items():
+            for key, value in res.record_top.items():
+                if key in reserved or key in history_keys:
+                    record["errors"].append(f"extra {name!r}: record key {key!r} is taken; left out")
+                    continue
+                record[key] = strict_jsonable(value)
+                if key in res.history_keys:
+                    history_keys.append(key)
         if extra_record:
             record.update(strict_jsonable(dict(extra_record)))
-        extras = dict(extras or {})
         for name, res in extras.items():
-            record[name] = strict_jsonable(dict(res.record))
+            if res.record:
+                record[name] = strict_jsonable(dict(res.record))
         previous = self._seen.get((step, stage))
         if previous is not None:
             record["repeats"] = previous
@@ -187,8 +188,6 @@ class Publisher:
         table = summary_table(layer_reports, present) if layer_reports else None
         if errors:
             text += "\n\n**Problems in this run:**\n\n" + "\n".join(f"- {e}" for e in errors)
-        extra = pruning_outputs(head_allocation, head_redundancy, readiness, prefix=p, images=False)
-        scalars.update(extra["scalars"])
         texts: dict[str, str] = {}
         tables: dict[str, Any] = {}
         for res in extras.values():
@@ -208,10 +207,8 @@ class Publisher:
             pictures: dict[str, Any] = {}
             if images and layer_reports:
                 pictures = self._pictures(reports, present, layer_reports, failures, trend, steps)
-                if head_allocation is not None:
-                    pictures[f"{p}/head_allocation"] = figure_to_array(head_allocation_figure(head_allocation))
                 for res in extras.values():
-                    pictures.update(res.images)
+                    pictures.update(self._extra_pictures(res, failures))
 
             def write(sink: Any) -> None:
                 if glossary is not None:
@@ -232,10 +229,6 @@ class Publisher:
                         sink.log_table(f"{p}/problems", ["problem"], [[e] for e in errors], step)
                 elif text:
                     sink.log_text(f"{p}/summary", text, step)
-                if extra["text"]:
-                    sink.log_text(f"{p}/head_allocation", extra["text"], step)
-                if extra["table"] is not None:
-                    sink.log_table(f"{p}/head_allocation_table", *extra["table"], step)
                 for tag, markdown in texts.items():
                     sink.log_text(tag, markdown, step)
                 for tag, (columns, rows) in tables.items():
@@ -257,7 +250,7 @@ class Publisher:
             "errors": list(errors),
             "layers": {name: headline(rep) for name, rep in reports.items()},
         }
-        for key in ("head_allocation", "readiness", *extras):
+        for key in (*history_keys, *extras):
             if key in record:
                 entry[key] = record[key]
         entry["output_failures"] = failures  # filled by the outputs job (in the background)
@@ -284,6 +277,16 @@ class Publisher:
             self.outputs._failed("the pictures", "drawing", err, failures)
             return {}
         return pictures
+
+    def _extra_pictures(self, result: ExtraResult, failures: list[str]) -> dict[str, Any]:
+        """An extra's pictures, those given as functions drawn now (one failing costs that picture)."""
+        out: dict[str, Any] = {}
+        for tag, image in result.images.items():
+            try:
+                out[tag] = image() if callable(image) else image
+            except Exception as err:  # noqa: BLE001 - a picture never costs the numbers
+                self.outputs._failed(f"the picture {tag}", "drawing", err, failures)
+        return out
 
     def publish_last_pictures(self) -> bool:
         """Draw the pictures of the last published run if it had none (the end of a fit always gets
@@ -357,52 +360,3 @@ def _records_in(path: str) -> dict[tuple[int, str], str]:
             continue
         out[(int(r["step"]), str(r.get("stage") or "fit"))] = str(r.get("run_id") or "")
     return out
-
-
-def pruning_outputs(head_allocation: Any, head_redundancy: Mapping[str, Any] | None,
-                    readiness: Mapping[str, Any] | None, *, prefix: str = "pod", images: bool = True
-                    ) -> dict[str, Any]:
-    """Scalars, text, pictures and table of the head allocation advice, redundancy and readiness.
-
-    Scalars: ``<p>/heads_now/<layer>``, ``<p>/heads_recommended/<layer>``,
-    ``<p>/head_redundancy/<layer>/head_<h>`` (largest field similarity with another head),
-    ``<p>/subspace_drift/<layer>``, ``<p>/h_eps_drift/<layer>``, ``<p>/run/advice_stable`` (1 / 0),
-    ``<p>/run/settled_runs``. Text: the advice's markdown and the readiness line. Picture:
-    ``<p>/head_allocation`` (:func:`~podmonitor.reporting.figures.head_allocation_figure`).
-
-    Returns:
-        ``{"scalars": {...}, "text": str, "images": {...}, "table": (columns, rows) or None}``.
-    """
-    scalars: dict[str, float] = {}
-    text = ""
-    pictures: dict[str, Any] = {}
-    table = None
-    if head_allocation is not None:
-        for row in head_allocation.layers:
-            scalars[f"{prefix}/heads_now/{row.layer}"] = float(row.heads_now)
-            scalars[f"{prefix}/heads_recommended/{row.layer}"] = float(row.recommended)
-        text = head_allocation.markdown()
-        table = head_allocation.table()
-        if images:
-            pictures[f"{prefix}/head_allocation"] = figure_to_array(head_allocation_figure(head_allocation))
-    for layer, red in (head_redundancy or {}).items():
-        for h in range(red.n_heads):
-            _, sim = red.most_similar(h)
-            scalars[f"{prefix}/head_redundancy/{layer}/head_{h:02d}"] = float(sim)
-    if readiness is not None:
-        for layer, v in readiness.get("layers", {}).items():
-            scalars[f"{prefix}/subspace_drift/{layer}"] = _float(v.get("subspace_drift"))
-            scalars[f"{prefix}/h_eps_drift/{layer}"] = _float(v.get("h_drift"))
-        scalars[f"{prefix}/run/advice_stable"] = 1.0 if readiness.get("stable") else 0.0
-        scalars[f"{prefix}/run/settled_runs"] = float(readiness.get("settled_runs", 0))
-        line = f"**readiness:** {readiness.get('reason', '')}"
-        text = f"{text}\n{line}\n" if text else line + "\n"
-    return {"scalars": scalars, "text": text, "images": pictures, "table": table}
-
-
-def _float(x: Any) -> float:
-    try:
-        return math.nan if x is None else float(x)
-    except (TypeError, ValueError):
-        return math.nan
-
