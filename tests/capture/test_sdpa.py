@@ -7,6 +7,7 @@ import math
 import warnings
 
 import lightning as L
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -701,3 +702,121 @@ def test_sdpa_active_heads_names_match_the_captured_layers():
     assert set(active_heads(module.model)) <= set(cap.layer_names)
     masker.restore()
     assert active_heads(module) == {}
+
+
+# ----------------------------------------------------------------------------- stability signals through SDPA
+class PlantedAttention(nn.Module):
+    """A causal SDPA layer of 3 heads with two planted behaviours (head size 8):
+
+    head 0: logits growing by 10.6 per key position, so every row is all but one-hot on its latest
+    key (entropy collapse);
+    head 1: an attention sink, key 0 = s u and every query gets + s u (u the first basis vector), so
+    q . k_0 ~ s^2 dominates each row; head 2: untouched.
+    """
+
+    n_head, hs, s = 3, 8, 8.0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c_attn = nn.Linear(24, 72)
+        self.c_proj = nn.Linear(24, 24)
+
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        b, t, c = x.shape
+        q, k, v = (z.view(b, t, self.n_head, self.hs).transpose(1, 2) for z in self.c_attn(x).split(c, dim=2))
+        q, k = q.clone(), k.clone()
+        q[:, 0] = 0.0  # head 0 looks at the latest key only: logit_ij = 30 j / sqrt(8)
+        q[:, 0, :, 1] = 10.0
+        k[:, 0, :, 1] = 3.0 * torch.arange(t, dtype=k.dtype)
+        u = torch.zeros(self.hs)
+        u[0] = self.s
+        q[:, 1] = q[:, 1] + u
+        k[:, 1, 0] = u
+        return q, k, v
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(x)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).reshape(b, t, c))
+
+
+class PlantedLM(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(16, 24)
+        self.attn = PlantedAttention()
+        self.head = nn.Linear(24, 16)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        return self.head(x + self.attn(x))
+
+    def _loss(self, batch):
+        x, y = batch
+        return F.cross_entropy(self(x).flatten(0, 1), y.flatten())
+
+    def training_step(self, batch, batch_idx):
+        return self._loss(batch)
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self._loss(batch))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(0)
+        x = torch.randint(0, 16, (32, 24), generator=g)
+        return DataLoader(TensorDataset(x, (x + 1) % 16), batch_size=16)
+
+    def val_dataloader(self):
+        g = torch.Generator().manual_seed(1)
+        x = torch.randint(0, 16, (160, 24), generator=g)
+        return DataLoader(TensorDataset(x, (x + 1) % 16), batch_size=16)
+
+
+def test_sdpa_stability_signals_through_the_callback_match_literal_formulas(tmp_path):
+    """PODMonitor() on an SDPA model with a planted entropy collapse (head 0) and sink (head 1): the
+    logged max logit, row entropy and sink mass equal the METHOD.md section 10 formulas written out
+    on attention formed by hand from q and k (no SDPA)."""
+    L.seed_everything(0)
+    model = PlantedLM()
+    monitor = PODMonitor()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        trainer(tmp_path, [monitor], max_epochs=1).fit(model)
+    rep = monitor.last_stability_reports["attn"]
+
+    x = torch.cat([b[0] for b in model.val_dataloader()])[:150]
+    with torch.no_grad():
+        q, k, _ = model.attn.qkv(model.emb(x))
+    t = x.shape[1]
+    logits = (q.double() @ k.double().transpose(-1, -2)) / math.sqrt(PlantedAttention.hs)
+    visible = torch.ones(t, t, dtype=torch.bool).tril()
+    logits = logits.masked_fill(~visible, -math.inf)
+    a = logits.softmax(-1).numpy()  # (150, 3, T, T)
+    ent, sink, max_logit = [], [], []
+    for h in range(3):
+        rows = []
+        for s_ in range(a.shape[0]):
+            for i in range(1, t):  # rows with >= 2 visible keys
+                p = a[s_, h, i, : i + 1]
+                p = p[p > 0]
+                rows.append(float(-(p * np.log(p)).sum() / math.log(i + 1)))
+        ent.append(sum(rows) / len(rows))
+        sink.append(float(a[:, h, 1:, 0].mean()))
+        max_logit.append(float(logits[:, h].amax()))
+
+    assert rep.n_snapshots == 150 and rep.n_heads == 3
+    np.testing.assert_allclose(rep.entropy, ent, rtol=2e-4, atol=2e-6)
+    np.testing.assert_allclose(rep.sink_mass, sink, rtol=1e-4, atol=1e-7)
+    np.testing.assert_allclose(rep.max_logit, max_logit, rtol=1e-5)
+    assert rep.entropy_min == pytest.approx(min(ent), rel=2e-4, abs=2e-6)
+    assert rep.entropy[0] < 0.05 < 0.5 < rep.entropy[2]  # the planted collapse is the layer's minimum
+    assert rep.sink_mass[1] > 0.95 and rep.sink_mass_max == pytest.approx(rep.sink_mass[1])
+    assert rep.max_logit_layer == pytest.approx(max(max_logit), rel=1e-5)
+    logged = monitor.last_stability["attn"]  # what the sinks log, under the registry's keys
+    assert logged["entropy_min_head"] == pytest.approx(min(ent), rel=2e-4, abs=2e-6)
+    assert logged["max_logit"] == pytest.approx(max(max_logit), rel=1e-5)
+    assert logged["sink_mass"] == pytest.approx(sum(sink) / 3, rel=1e-4)
