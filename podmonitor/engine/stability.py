@@ -32,7 +32,20 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .lags import max_above_diagonal
+
 _STATE_VERSION = 1
+
+
+#: Rows per block of the entropy pass (a block's float32 and float64 work stays in cache).
+ROWS_PER_BLOCK = 64
+
+
+def _row_blocks(first: int, t: int, causal: bool) -> list[tuple[int, int, int]]:
+    """``(r0, r1, k)``: rows ``[r0, r1)`` covering ``first..t-1`` in blocks of
+    :data:`ROWS_PER_BLOCK`, with ``k`` the keys a block reads (``r1`` when causal, else ``t``)."""
+    return [(r0, min(t, r0 + ROWS_PER_BLOCK), min(t, r0 + ROWS_PER_BLOCK) if causal else t)
+            for r0 in range(first, t, ROWS_PER_BLOCK)]
 
 
 def _finite_or_none(x: float | None) -> float | None:
@@ -121,6 +134,7 @@ class StabilityAccumulator:
         self._row_max_sum: Tensor | None = None  # (H,)
         self._max_prob: Tensor | None = None  # (H,)
         self._max_logit: Tensor | None = None  # (H,)
+        self._work_buffers: tuple[Tensor, Tensor] | None = None  # update's scratch space, not state
 
     def _init(self, n_heads: int) -> None:
         self.n_heads = n_heads
@@ -156,34 +170,33 @@ class StabilityAccumulator:
             raise ValueError(f"fields have {h} heads, earlier batches had {self.n_heads}")
         if logit_max is not None and tuple(logit_max.shape) != (b, h):
             raise ValueError(f"logit_max must be (B, H) = {(b, h)}, got shape {tuple(logit_max.shape)}")
-        if causal is None:
-            upper = torch.ones(t, t, dtype=torch.bool, device=fields.device).triu(1)
-            causal = bool((fields[..., upper] == 0).all()) if t > 1 else True
+        if causal is None:  # causal when nothing lies above the diagonal (NaN there: not causal)
+            causal = max_above_diagonal(fields.reshape(b * h, t, t)) == 0 if t > 1 else True
         causal = bool(causal)
         device = fields.device
         # rows whose normalised entropy is defined (n_i >= 2 visible keys) and their log(n_i)
         if causal:
-            rows, log_n = slice(1, None), torch.log(torch.arange(2, t + 1, device=device, dtype=torch.float64))
+            first, log_n = 1, torch.log(torch.arange(2, t + 1, device=device, dtype=torch.float64))
         else:
-            rows, log_n = slice(0 if t > 1 else t, None), torch.full((t,), math.log(max(t, 1)), device=device,
-                                                                    dtype=torch.float64)
+            first, log_n = (0 if t > 1 else t), torch.full((t,), math.log(max(t, 1)), device=device,
+                                                           dtype=torch.float64)
         n_rows = max(0, t - 1) if causal else (t if t > 1 else 0)
         assert self._entropy_sum is not None and self._sink_sum is not None and self._row_max_sum is not None
         assert self._max_prob is not None and self._max_logit is not None
+        blocks = _row_blocks(first, t, causal)
         used = 0
         for s in range(b):
             a = fields[s].float()  # (H, T, T)
-            if not bool(torch.isfinite(a).all()):
+            lo, hi = torch.aminmax(a)  # finite iff both are (NaN propagates)
+            if not (math.isfinite(float(lo)) and math.isfinite(float(hi))):
                 self.n_skipped_nonfinite += 1
                 continue
             used += 1
-            ar = a[:, rows, :]  # (H, R, T), a view
             if n_rows:
-                ent = -torch.special.xlogy(ar, ar).sum(dim=-1, dtype=torch.float64) / log_n  # (H, R)
-                self._entropy_sum += ent.sum(dim=-1).cpu()
-                row_max = ar.amax(dim=-1)  # (H, R)
-                self._row_max_sum += row_max.sum(dim=-1, dtype=torch.float64).cpu()
-                self._max_prob = torch.maximum(self._max_prob, row_max.amax(dim=-1).double().cpu())
+                ent_sum, row_max_sum, row_max_peak = self._entropy_and_row_max(a, blocks, log_n, first)
+                self._entropy_sum += ent_sum.cpu()
+                self._row_max_sum += row_max_sum.cpu()
+                self._max_prob = torch.maximum(self._max_prob, row_max_peak.double().cpu())
             if t > 1:
                 self._sink_sum += a[:, 1:, 0].sum(dim=-1, dtype=torch.float64).cpu()
             if logit_max is not None:
@@ -196,6 +209,67 @@ class StabilityAccumulator:
             self.n_logit_snapshots += used
         if used:
             self.causal_seen.add(causal)
+
+    def _entropy_and_row_max(self, a: Tensor, blocks: list[tuple[int, int, int]], log_n: Tensor,
+                             first: int) -> tuple[Tensor, Tensor, Tensor]:
+        """One finite sequence's sums over its rows ``first..T-1``.
+
+        Works in row blocks ``[r0, r1)`` whose keys ``[:k]`` hold everything a causal row can see
+        (k = r1; all T keys for bidirectional attention). The keys right of a block, which causal
+        attention leaves at zero, enter only if they are not all zero, so the sums are those over
+        every key (xlogy(0, 0) = 0, and a zero does not raise a row maximum of probabilities).
+        ``p log p`` is evaluated in the field's float32 and summed over keys in float64.
+
+        Args:
+            a: (H, T, T) float32 probabilities.
+            blocks: ``(r0, r1, k)`` row blocks covering rows ``first..T-1``.
+            log_n: (T - first,) float64 log of each row's visible keys.
+            first: the first row with a defined entropy.
+
+        Returns:
+            entropy: (H,) float64 sum over the rows of the normalised row entropy.
+            row_max_sum: (H,) float64 sum over the rows of the row maximum.
+            row_max_peak: (H,) float32 largest row maximum.
+        """
+        h, t = a.shape[0], a.shape[-1]
+        work32, work64 = self._work(h * (blocks[0][1] - blocks[0][0]) * t, a.device)
+        ent = torch.zeros(h, dtype=torch.float64, device=a.device)
+        row_max_sum = torch.zeros(h, dtype=torch.float64, device=a.device)
+        peaks = []
+        for r0, r1, k in blocks:
+            rows = r1 - r0
+            block = a[:, r0:r1, :k]  # (H, rows, k)
+            plogp32 = work32[:h * rows * k].view(h, rows, k)
+            torch.special.xlogy(block, block, out=plogp32)
+            plogp = work64[:h * rows * k].view(h, rows, k).copy_(plogp32)
+            row_h = plogp.sum(dim=-1)  # (H, rows) float64: sum_j p log p
+            row_max = block.amax(dim=-1)  # (H, rows)
+            if k < t:
+                rest = a[:, r0:r1, k:]
+                # (amin and amax: torch.aminmax is slow on such strided views)
+                if float(rest.amin()) != 0 or float(rest.amax()) != 0:  # not causal after all: the keys right count too
+                    row_h += torch.special.xlogy(rest, rest).sum(dim=-1, dtype=torch.float64)
+                    row_max = torch.maximum(row_max, rest.amax(dim=-1))
+                else:
+                    row_max = row_max.clamp_min(0)
+            ent -= (row_h / log_n[r0 - first:r1 - first]).sum(dim=-1)
+            row_max_sum += row_max.sum(dim=-1, dtype=torch.float64)
+            peaks.append(row_max.amax(dim=-1))
+        return ent, row_max_sum, torch.stack(peaks).amax(dim=0)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled without the scratch buffers."""
+        return {**self.__dict__, "_work_buffers": None}
+
+    def _work(self, numel: int, device: torch.device) -> tuple[Tensor, Tensor]:
+        """Reused float32 and float64 buffers of at least ``numel`` elements (not part of the state)."""
+        work = self._work_buffers
+        if work is None or work[0].numel() < numel or work[0].device != device:
+            work = (torch.empty(numel, dtype=torch.float32, device=device),
+                    torch.empty(numel, dtype=torch.float64, device=device))
+            self._work_buffers = work
+        return work
+
 
     # ------------------------------------------------------------------ merge / state
     def merge(self, other: StabilityAccumulator) -> StabilityAccumulator:
