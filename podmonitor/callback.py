@@ -499,7 +499,9 @@ class PODMonitor(MonitorCallback):
             for name, f, lm in zip(captured.layer_names, captured.fields, logits, strict=True):
                 if name in self._flagged:
                     continue
-                sel = f.index_select(0, index.to(f.device))  # (b, H, T, T)
+                # (b, H, T, T); index is sorted and unique (nonzero, then a prefix): all of it is
+                # the whole batch, used as is (no copy of every layer's maps)
+                sel = f if index.numel() == f.shape[0] else f.index_select(0, index.to(f.device))
                 self._accumulators[name].update(_head_average(sel, (self._active or {}).get(name)))
                 if self.per_head:
                     for h in range(sel.shape[1]):
