@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
 from podmonitor.capture._util import accepts, get_arg, layer_names, set_arg, strictly_upper_is_zero
 from podmonitor.capture.base import CaptureAdapter, CapturedAttention
+from podmonitor.capture.hooks import HookHandles
 
 
 def pretrained_model_class() -> type | None:
@@ -169,7 +169,7 @@ class HuggingFaceAdapter(CaptureAdapter):
     def __init__(self, model: str | nn.Module | None = None) -> None:
         self.model_spec = model
         self._model: nn.Module | None = None
-        self._handles: list[RemovableHandle] = []
+        self._handles = HookHandles()
         self._saved: list[tuple[Any, dict[str, Any]]] = []
         self._pending: list[_Call] = []
         self._attentions: tuple | None = None
@@ -207,8 +207,8 @@ class HuggingFaceAdapter(CaptureAdapter):
             for cfg in _configs(model):
                 self._saved.append((cfg, {k: v for k, v in vars(cfg).items() if k.startswith("_attn")}))
             self._switch_to_eager(model)
-            self._handles.append(model.register_forward_pre_hook(self._make_pre_hook(sig), with_kwargs=True))
-            self._handles.append(model.register_forward_hook(self._hook))
+            self._handles.add(model.register_forward_pre_hook(self._make_pre_hook(sig), with_kwargs=True))
+            self._handles.add(model.register_forward_hook(self._hook))
         except BaseException:
             self.stop()
             raise
@@ -228,9 +228,7 @@ class HuggingFaceAdapter(CaptureAdapter):
             cfg._attn_implementation = "eager"
 
     def stop(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        self._handles.remove()
         for cfg, saved in reversed(self._saved):
             attrs = vars(cfg)
             for key in [k for k in attrs if k.startswith("_attn") and k not in saved]:

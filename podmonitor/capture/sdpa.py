@@ -28,9 +28,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
-from torch.utils.hooks import RemovableHandle
 
 from podmonitor.capture.base import NOTHING_FITS, CaptureAdapter, CapturedAttention
+from podmonitor.capture.hooks import HookHandles
 
 #: the function intercepted (the builtin itself, also when a library wrapped ``F.scaled_dot_product_attention``)
 SDPA = torch._C._nn.scaled_dot_product_attention
@@ -291,18 +291,16 @@ class _ModuleStack:
 
     def __init__(self) -> None:
         self.paths: list[str] = []
-        self._handles: list[RemovableHandle] = []
+        self._handles = HookHandles()
 
     def attach(self, module: nn.Module) -> None:
         for path, sub in module.named_modules():
             name = _clean(path)
-            self._handles.append(sub.register_forward_pre_hook(partial(self._push, name)))
-            self._handles.append(sub.register_forward_hook(partial(self._pop, name), always_call=True))
+            self._handles.add(sub.register_forward_pre_hook(partial(self._push, name)))
+            self._handles.add(sub.register_forward_hook(partial(self._pop, name), always_call=True))
 
     def detach(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        self._handles.remove()
         self.paths.clear()
 
     @property
@@ -650,7 +648,7 @@ class SDPAHeadMask:
         self.module = module
         self.masks: dict[str, Tensor] = {}
         self._paths = {_clean(p): m for p, m in module.named_modules()}
-        self._handles: list[RemovableHandle] = []
+        self._handles = HookHandles()
         self._modes: dict[int, list[_HeadMaskMode]] = {}
         for name, mask in (masks or {}).items():
             self.set(name, mask)
@@ -691,15 +689,13 @@ class SDPAHeadMask:
         paths = sorted({name.split("#", 1)[0] for name in self.masks})
         for path in paths:
             sub = self._paths[path]
-            self._handles.append(sub.register_forward_pre_hook(partial(self._enter, path)))
-            self._handles.append(sub.register_forward_hook(partial(self._leave, path), always_call=True))
+            self._handles.add(sub.register_forward_pre_hook(partial(self._enter, path)))
+            self._handles.add(sub.register_forward_hook(partial(self._leave, path), always_call=True))
             _ATTACHED[sub] = (self, path)
 
     def detach(self) -> None:
         """Remove every hook (the model is as before); idempotent."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        self._handles.remove()
         for sub in [m for m, (owner, _) in list(_ATTACHED.items()) if owner is self]:
             _ATTACHED.pop(sub, None)
         for modes in self._modes.values():

@@ -9,10 +9,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
 from podmonitor.capture._util import blocked, get_arg, is_causal_mask, set_arg
 from podmonitor.capture.base import CaptureAdapter, CapturedAttention
+from podmonitor.capture.hooks import HookHandles, MHAFastPathOff
 
 
 @dataclass
@@ -61,8 +61,8 @@ class TorchMHAAdapter(CaptureAdapter):
     name = "torch_mha"
 
     def __init__(self) -> None:
-        self._handles: list[RemovableHandle] = []
-        self._fastpath_prev: bool | None = None
+        self._hooks = HookHandles()
+        self._fastpath = MHAFastPathOff()
         self._pending: dict[int, list[_Call | None]] = {}
         self._records: list[_Record] = []
 
@@ -79,8 +79,7 @@ class TorchMHAAdapter(CaptureAdapter):
         """
         self.stop()
         try:
-            self._fastpath_prev = torch.backends.mha.get_fastpath_enabled()
-            torch.backends.mha.set_fastpath_enabled(False)
+            self._fastpath.switch_off()
             found = False
             for path, sub in module.named_modules():
                 if not isinstance(sub, nn.MultiheadAttention):
@@ -88,8 +87,8 @@ class TorchMHAAdapter(CaptureAdapter):
                 found = True
                 sig = inspect.signature(sub.forward)
                 self._pending[id(sub)] = []
-                self._handles.append(sub.register_forward_pre_hook(partial(self._pre_hook, sig), with_kwargs=True))
-                self._handles.append(sub.register_forward_hook(partial(self._hook, path or "self")))
+                self._hooks.add(sub.register_forward_pre_hook(partial(self._pre_hook, sig), with_kwargs=True))
+                self._hooks.add(sub.register_forward_hook(partial(self._hook, path or "self")))
             if not found:
                 raise ValueError(f"{type(module).__name__} contains no torch.nn.MultiheadAttention")
         except BaseException:
@@ -97,15 +96,8 @@ class TorchMHAAdapter(CaptureAdapter):
             raise
 
     def stop(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-        if self._fastpath_prev is not None:
-            # restore only if nobody changed the setting since we switched it off (another
-            # callback with the same trick may have restored it already, in a different order)
-            if not torch.backends.mha.get_fastpath_enabled():
-                torch.backends.mha.set_fastpath_enabled(self._fastpath_prev)
-            self._fastpath_prev = None
+        self._hooks.remove()
+        self._fastpath.restore()  # only if nobody switched it back on in between (podmonitor.capture.hooks)
         self._pending.clear()
         self._records.clear()
 
@@ -168,7 +160,7 @@ class TorchMHAAdapter(CaptureAdapter):
         """
         records, self._records = self._records, []
         if not records:
-            started = bool(self._handles)
+            started = bool(self._hooks)
             raise RuntimeError(
                 "TorchMHAAdapter saw no nn.MultiheadAttention self-attention call during the validation step"
                 + ("" if started else " (start(module) was not called before the step)")

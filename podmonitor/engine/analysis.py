@@ -17,6 +17,7 @@ from torch import Tensor
 from .lags import lag_signals, lag_window, mean_attention_distance, window_support
 from .pod import fix_signs, mode_lag_profiles
 from .report import PODReport, ScaleReport
+from .running import RESULTS
 from .spectrum import summarise_spectrum
 from .store import SnapshotStore
 from .wavelets import dominant_scale_indices, scale_centroid, scalogram_from_moment
@@ -152,6 +153,7 @@ def analyse(acc: PODAccumulator) -> PODReport:
         mean_attention_distance=mean_attention_distance(acc.mean_field),
         entropy=entropy,
         entropy_profile=entropy_profile.cpu(),
+        running={r.result_key: float(r.result(getattr(acc, r.name), n)) for r in RESULTS},
         coherency=None if coherency is None else coherency.cpu(),
         coherency_scale=coh_scale,
         mean_field=acc.mean_field.cpu().clone(),

@@ -165,6 +165,8 @@ class PODReport:
         mean_attention_distance: ``sum_j A[i, j] |i - j|`` averaged over rows and snapshots.
         entropy: row entropy normalised by log(number of keys), averaged over rows and snapshots.
         entropy_profile: (L,) the same per query position (NaN for rows with one key).
+        running: the per-layer metrics of the running state (:data:`~podmonitor.engine.running.RESULTS`),
+            by key (empty without snapshots).
         coherency: (L, L) cross-coherency at ``coherency_scale`` (None when disabled).
         coherency_scale: the scale of the coherency map.
         mean_field: (L, L) the mean attention field Abar.
@@ -210,6 +212,7 @@ class PODReport:
     sketch: dict[str, Any] | None = None
     n_not_normalised: int = 0
     max_row_sum_error: float = 0.0
+    running: dict[str, float] = field(default_factory=dict)
 
     @property
     def headline(self) -> ScaleReport | None:
@@ -288,6 +291,7 @@ class PODReport:
             "mean_attention_distance": self.mean_attention_distance,
             "entropy": self.entropy,
             "entropy_profile": self.entropy_profile,
+            **self.running,
             "coherency_scale": self.coherency_scale,
             "config": self.config,
             "per_scale": [s.to_dict(include_modes=include_modes) for s in self.per_scale],

@@ -7,9 +7,10 @@ quantities a batch adds to, the function that computes one step's contribution. 
 ``merge``, ``state_dict``, ``load_state_dict``, ``nbytes`` and the memory planner's O(L^2) state
 (:func:`fixed_state_bytes`) all follow from the table.
 
-Adding a running metric: one :class:`Running` row here (with its ``step``), the line of the
-analysis that reads it into the report, and its test. States saved before the row existed load
-with its initial value.
+Adding a running metric: one :class:`Running` row here (with its ``step`` and its ``result``,
+which the analysis puts into ``PODReport.running``), its entry in the metric registry
+(:mod:`podmonitor.reporting.metrics`, reading ``running_value(key)``) and its test: three files.
+States saved before the row existed load with its initial value.
 
 The centred moments (``n``, ``mean_field``, ``m2_back``, ``m2_fwd``) combine together by Chan et
 al.'s pairwise formula ("moment"); the accumulator's update computes them from a sheared
@@ -89,6 +90,10 @@ class Running:
         bidirectional_only: tensors kept only for bidirectional fields (None for causal ones).
         step: the contribution of one :class:`BatchStep`, combined over the steps of a batch and
             then into the state by ``merge``; None for quantities the update sets otherwise.
+        result: a per-layer metric read from the state: ``result(value, n) -> float`` (n: the
+            snapshots added), put into :attr:`PODReport.running <podmonitor.engine.PODReport>`
+            under ``name`` without its ``_sum`` suffix (also the key in the report's ``to_dict``);
+            None for quantities the analysis reads itself.
     """
 
     name: str
@@ -98,6 +103,12 @@ class Running:
     shape: Callable[[int], tuple[int, ...]] | None = None
     bidirectional_only: bool = False
     step: Callable[[BatchStep], Any] | None = None
+    result: Callable[[Any, int], float] | None = None
+
+    @property
+    def result_key(self) -> str:
+        """The key of :attr:`result` in the report: the name without a ``_sum`` suffix."""
+        return self.name.removesuffix("_sum")
 
     def initial(self) -> Any:
         """The value before any snapshot (tensors: None until the length is known)."""
@@ -178,6 +189,9 @@ RUNNING: tuple[Running, ...] = (
             step=lambda s: float(s.row_error.max())),
     Running("input_dtypes", "set", "union", "dtypes of the batches given"),
 )
+
+#: The rows that give a per-layer metric of the report.
+RESULTS: tuple[Running, ...] = tuple(r for r in RUNNING if r.result is not None)
 
 #: The rows a batch step contributes to.
 STEPPED: tuple[Running, ...] = tuple(r for r in RUNNING if r.step is not None)

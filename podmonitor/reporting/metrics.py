@@ -73,6 +73,13 @@ def as_float(x: Any) -> float:
         return math.nan
 
 
+def running_value(key: str) -> Callable[[PODReport], float]:
+    """The value of a running metric of the report (``PODReport.running[key]``; NaN where missing)."""
+    def get(r: PODReport) -> float:
+        return as_float(getattr(r, "running", {}).get(key))
+    return get
+
+
 def _rank(eps: float) -> Callable[[PODReport], float]:
     def get(r: PODReport) -> float:
         return as_float(eps_lookup(r.effective_rank, eps)) if r.headline is not None else math.nan
