@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from functools import lru_cache
 from typing import Any, Literal
 
 import torch
@@ -180,6 +181,12 @@ class EnergyGate(nn.Module):
         return F.logsigmoid(alpha * (z - tau))
 
 
+@lru_cache(maxsize=8)
+def _above_diagonal(T: int, device: torch.device) -> torch.Tensor:
+    """(T, T) bool, True where the key is later than the query (j > i): what causal attention masks."""
+    return torch.ones(T, T, dtype=torch.bool, device=device).triu(1)
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention, optionally energy-gated (EGA)."""
 
@@ -263,11 +270,13 @@ class CausalSelfAttention(nn.Module):
             return self.merge_heads(self.apply_head_mask(y)), None
 
         # explicit (math) path: materialise the probabilities
-        causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()  # (T, T)
-        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))  # (B, nh, T, T)
+        # in place where the value is the same: one (B, nh, T, T) buffer for the scores and one for
+        # the probabilities (each out-of-place step would allocate and fault in another)
+        att = q @ k.transpose(-2, -1)  # (B, nh, T, T)
+        att.mul_(1.0 / math.sqrt(k.size(-1)))
         if log_g is not None:
-            att = att + log_g  # softmax(s + log g) = A g / sum(A g)
-        att = att.masked_fill(~causal, float("-inf"))
+            att.add_(log_g)  # softmax(s + log g) = A g / sum(A g)
+        att.masked_fill_(_above_diagonal(T, x.device), float("-inf"))
         att = F.softmax(att, dim=-1)  # (B, nh, T, T), rows sum to 1
         y = self.attn_dropout(att) @ v  # (B, nh, T, T) x (B, nh, T, hs) -> (B, nh, T, hs)
         return self.merge_heads(self.apply_head_mask(y)), att
