@@ -48,6 +48,16 @@ def _row_blocks(first: int, t: int, causal: bool) -> list[tuple[int, int, int]]:
             for r0 in range(first, t, ROWS_PER_BLOCK)]
 
 
+def plogp_(p: Tensor, out: Tensor) -> Tensor:
+    """``p log p`` of finite probabilities ``p >= 0`` into ``out`` (same shape), 0 where p = 0.
+
+    ``log(max(p, tiny)) * p``: the same value as ``xlogy(p, p)`` wherever p >= the dtype's smallest
+    normal number (and within one such number below it), about 3x faster on CPU than ``xlogy``.
+    """
+    torch.clamp_min(p, torch.finfo(p.dtype).tiny, out=out)
+    return out.log_().mul_(p)
+
+
 def _finite_or_none(x: float | None) -> float | None:
     return None if x is None or not math.isfinite(x) else float(x)
 
@@ -240,7 +250,7 @@ class StabilityAccumulator:
             rows = r1 - r0
             block = a[:, r0:r1, :k]  # (H, rows, k)
             plogp32 = work32[:h * rows * k].view(h, rows, k)
-            torch.special.xlogy(block, block, out=plogp32)
+            plogp_(block, plogp32)
             plogp = work64[:h * rows * k].view(h, rows, k).copy_(plogp32)
             row_h = plogp.sum(dim=-1)  # (H, rows) float64: sum_j p log p
             row_max = block.amax(dim=-1)  # (H, rows)
@@ -248,7 +258,7 @@ class StabilityAccumulator:
                 rest = a[:, r0:r1, k:]
                 # (amin and amax: torch.aminmax is slow on such strided views)
                 if float(rest.amin()) != 0 or float(rest.amax()) != 0:  # not causal after all: the keys right count too
-                    row_h += torch.special.xlogy(rest, rest).sum(dim=-1, dtype=torch.float64)
+                    row_h += plogp_(rest, torch.empty_like(rest)).sum(dim=-1, dtype=torch.float64)
                     row_max = torch.maximum(row_max, rest.amax(dim=-1))
                 else:
                     row_max = row_max.clamp_min(0)

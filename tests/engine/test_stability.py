@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from podmonitor.engine.stability import StabilityAccumulator
+from podmonitor.engine.stability import StabilityAccumulator, plogp_
 
 
 def random_fields(b: int, h: int, t: int, causal: bool, seed: int = 0, sharp: float = 2.0) -> torch.Tensor:
@@ -199,3 +199,17 @@ def test_stability_mass_above_the_diagonal_of_a_field_declared_causal_still_coun
     ent = (-plogp[:, 1:, :].sum(-1) / np.log(rows + 1)).mean(-1)
     np.testing.assert_allclose(rep.entropy, ent, rtol=1e-6)
     np.testing.assert_allclose(rep.mean_row_max, a[:, 1:, :].max(-1).mean(-1), rtol=1e-6)
+
+
+def test_plogp_matches_float64_p_log_p_and_is_zero_at_zero() -> None:
+    """The fast p log p against the literal formula in float64: within float32 rounding, 0 at p = 0."""
+    torch.manual_seed(0)
+    p = torch.softmax(torch.randn(4, 96, 96) * 6, dim=-1)  # (H, T, T) float32, peaked rows
+    p[0, 0, :7] = 0.0
+    p[1, 2, 3] = 1e-41  # subnormal
+    got = plogp_(p, torch.empty_like(p)).double()
+    pd = p.double()
+    want = torch.where(pd > 0, pd * torch.log(pd.clamp_min(1e-300)), torch.zeros_like(pd))
+    assert torch.all(got[0, 0, :7] == 0)
+    assert (got - want).abs().max() < 4 * torch.finfo(torch.float32).eps * want.abs().clamp_min(1e-30).max()
+    assert torch.allclose(got.sum(-1), want.sum(-1), rtol=1e-6, atol=1e-9)
