@@ -23,6 +23,7 @@ band), not on how many snapshots were seen before.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -297,8 +298,10 @@ class PODAccumulator:
         Works through the batch a few fields at a time (``SUB_BYTES`` of fields per step) in
         buffers allocated once per call: the input is converted to ``config.dtype`` and moved to
         the state's device one step at a time, never as a whole, and each step's temporaries stay
-        in cache. The running state changes only at the end (a sketch store is fed every
-        ``SKETCH_FEED_BYTES`` of band entries on the way).
+        in cache. Chan et al.'s between-group term ``n_a n_b / n`` times the lag moment of
+        ``delta`` (the batch mean less the state's) enters the first step's products as one more
+        field, ``sqrt(n_a n_b / n) delta``. The running state changes only at the end (a sketch
+        store is fed every ``SKETCH_FEED_BYTES`` of band entries on the way).
         """
         assert self.band is not None and self.store is not None
         cfg = self.config
@@ -310,7 +313,11 @@ class PODAccumulator:
         for start in range(0, n_b, step):
             mean_b += x[start:start + step].sum(0, dtype=dt).to(dev)
         mean_b /= n_b
-        shear = LagShear(seq_len, step, dt, dev)
+        assert self.mean_field is not None
+        n_a = self.n
+        # the between-group term as one more field (it vanishes for the first group)
+        between = (mean_b - self.mean_field).mul_(math.sqrt(n_a * n_b / (n_a + n_b))) if n_a else None
+        shear = LagShear(seq_len, step + (between is not None), dt, dev)
         m2b_back = torch.zeros(seq_len, seq_len, dtype=dt, device=dev)
         m2b_fwd = None if causal else torch.zeros(seq_len, seq_len, dtype=dt, device=dev)
         batch = {r.name: r.allocate(seq_len, causal, dt, dev) for r in STEPPED}  # this batch's contributions
@@ -327,7 +334,7 @@ class PODAccumulator:
             part = x[start:stop]
             if convert is not None:
                 part = convert[:stop - start].copy_(part)
-            shear.load(part, mean_b)
+            shear.load(part, mean_b, extra=between if start == 0 else None)
             shear.add_backward_moment(m2b_back)
             if m2b_fwd is not None:
                 shear.add_forward_moment(m2b_fwd)
@@ -346,25 +353,27 @@ class PODAccumulator:
                 target.copy_(torch.gather(flat, 1, rows))
             filled += stop - start
         self._combine(n_b, mean_b, shear.finish(m2b_back, backward=True),
-                      None if m2b_fwd is None else shear.finish(m2b_fwd, backward=False))
+                      None if m2b_fwd is None else shear.finish(m2b_fwd, backward=False), between_added=True)
         self._merge_counts(batch)
         self.store.add(rows_buf if filled == rows_per_feed else rows_buf[:filled])
 
-    def _combine(self, n_b: int, mean_b: Tensor, m2b_back: Tensor, m2b_fwd: Tensor | None) -> None:
+    def _combine(self, n_b: int, mean_b: Tensor, m2b_back: Tensor, m2b_fwd: Tensor | None,
+                 between_added: bool = False) -> None:
         """Merge a group of n_b snapshots (mean, centred moments) into the running state: the
-        "moment" rows of the table, by Chan et al.'s pairwise formula."""
+        "moment" rows of the table, by Chan et al.'s pairwise formula (``between_added``: the
+        moments already hold the between-group term)."""
         assert self.mean_field is not None and self.m2_back is not None
         n_a = self.n
         n = n_a + n_b
         delta = mean_b - self.mean_field  # (L, L)
         w = n_a * n_b / n
         self.m2_back += m2b_back
-        if n_a > 0:  # the between-group term vanishes for the first group
+        if n_a > 0 and not between_added:  # the between-group term vanishes for the first group
             self.m2_back += w * lag_moment(lag_signals(delta).unsqueeze(0))
         if self.m2_fwd is not None:
             assert m2b_fwd is not None
             self.m2_fwd += m2b_fwd
-            if n_a > 0:
+            if n_a > 0 and not between_added:
                 self.m2_fwd += w * lag_moment(lag_signals(delta, forward=True).flip(0).unsqueeze(0))
         self.mean_field += delta * (n_b / n)
         self.n = n

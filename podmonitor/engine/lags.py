@@ -169,18 +169,25 @@ class LagShear:
         self.loaded = 0
         self.n_panels = max(1, min(n_panels, seq_len))
 
-    def load(self, fields: Tensor, subtract: Tensor | None = None) -> None:
-        """Write (b', L, L) fields (minus an (L, L) field, e.g. the mean), b' <= b, into the buffer."""
+    def load(self, fields: Tensor, subtract: Tensor | None = None, extra: Tensor | None = None) -> None:
+        """Write (b', L, L) fields (minus an (L, L) field, e.g. the mean), b' <= b, into the buffer.
+
+        ``extra``: one more (L, L) field written after them as it is (b' + 1 <= b), so that its
+        moment enters the same products (e.g. Chan et al.'s between-group term).
+        """
         n, seq_len, width = fields.shape[0], self.seq_len, self.width
-        if n > self.batch:
-            raise ValueError(f"LagShear holds at most {self.batch} fields, got {n}")
-        view = self.buf.as_strided((n, seq_len, seq_len), (width, self.batch * width - 1, 1),
+        total = n + (extra is not None)
+        if total > self.batch:
+            raise ValueError(f"LagShear holds at most {self.batch} fields, got {total}")
+        view = self.buf.as_strided((total, seq_len, seq_len), (width, self.batch * width - 1, 1),
                                    self.buf.storage_offset() + seq_len - 1)
         if subtract is None:
-            view.copy_(fields)
+            view[:n].copy_(fields)
         else:
-            torch.sub(fields, subtract, out=view)
-        self.loaded = n
+            torch.sub(fields, subtract, out=view[:n])
+        if extra is not None:
+            view[n].copy_(extra)
+        self.loaded = total
 
     def _rows(self, first: int, stop: int, cols: slice) -> Tensor:
         """Rows i in [first, stop) of the loaded fields, columns ``cols``, as one (rows, k) matrix."""
