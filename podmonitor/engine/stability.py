@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .lags import max_above_diagonal
+from .lags import max_above_diagonal, plogp_
 
 _STATE_VERSION = 1
 
@@ -46,16 +46,6 @@ def _row_blocks(first: int, t: int, causal: bool) -> list[tuple[int, int, int]]:
     :data:`ROWS_PER_BLOCK`, with ``k`` the keys a block reads (``r1`` when causal, else ``t``)."""
     return [(r0, min(t, r0 + ROWS_PER_BLOCK), min(t, r0 + ROWS_PER_BLOCK) if causal else t)
             for r0 in range(first, t, ROWS_PER_BLOCK)]
-
-
-def plogp_(p: Tensor, out: Tensor) -> Tensor:
-    """``p log p`` of finite probabilities ``p >= 0`` into ``out`` (same shape), 0 where p = 0.
-
-    ``log(max(p, tiny)) * p``: the same value as ``xlogy(p, p)`` wherever p >= the dtype's smallest
-    normal number (and within one such number below it), about 3x faster on CPU than ``xlogy``.
-    """
-    torch.clamp_min(p, torch.finfo(p.dtype).tiny, out=out)
-    return out.log_().mul_(p)
 
 
 def _finite_or_none(x: float | None) -> float | None:
@@ -227,7 +217,7 @@ class StabilityAccumulator:
         Works in row blocks ``[r0, r1)`` whose keys ``[:k]`` hold everything a causal row can see
         (k = r1; all T keys for bidirectional attention). The keys right of a block, which causal
         attention leaves at zero, enter only if they are not all zero, so the sums are those over
-        every key (xlogy(0, 0) = 0, and a zero does not raise a row maximum of probabilities).
+        every key (0 log 0 = 0, and a zero does not raise a row maximum of probabilities).
         ``p log p`` is evaluated in the field's float32 and summed over keys in float64.
 
         Args:

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from podmonitor.engine.stability import StabilityAccumulator, plogp_
+from podmonitor.engine.lags import plogp_
+from podmonitor.engine.stability import StabilityAccumulator
 
 
 def random_fields(b: int, h: int, t: int, causal: bool, seed: int = 0, sharp: float = 2.0) -> torch.Tensor:
