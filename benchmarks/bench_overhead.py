@@ -85,7 +85,7 @@ def child(args: argparse.Namespace) -> None:
         model = GPTLightningModule.tiny(vocab_size=65, block_size=args.block_size, max_steps=args.epochs * args.steps)
     else:
         model = EncoderLM(vocab=65, block=args.block_size)
-    callbacks = [PODMonitor()] if args.side == "monitor" else []
+    callbacks = [PODMonitor(**json.loads(args.monitor_args))] if args.side == "monitor" else []
     trainer = L.Trainer(max_epochs=args.epochs, accelerator="cpu", devices=1, logger=TensorBoardLogger(args.tmp),
                         callbacks=callbacks, enable_progress_bar=False, enable_model_summary=False,
                         enable_checkpointing=False, num_sanity_val_steps=0, gradient_clip_val=1.0)
@@ -111,6 +111,9 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3, help="pairs of runs (order alternates)")
     p.add_argument("--model", choices=["gpt", "encoder"], default="gpt")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--monitor-args", default="{}",
+                   help='PODMonitor keyword arguments as JSON, to attribute the cost (default: none, the '
+                        'defaults users get), e.g. \'{"log_images": false}\'')
     p.add_argument("--side", choices=["plain", "monitor"], help=argparse.SUPPRESS)
     p.add_argument("--tmp", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -127,7 +130,8 @@ def main() -> None:
                 cmd = [sys.executable, str(Path(__file__).resolve()), "--side", side, "--tmp", tmp,
                        "--epochs", str(args.epochs), "--steps", str(args.steps), "--batch-size", str(args.batch_size),
                        "--block-size", str(args.block_size), "--val-windows", str(args.val_windows),
-                       "--threads", str(args.threads), "--model", args.model]
+                       "--threads", str(args.threads), "--model", args.model,
+                       "--monitor-args", args.monitor_args]
                 out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
                 res = json.loads(out.strip().splitlines()[-1])
                 walls[side].append(res["wall"])
@@ -139,7 +143,7 @@ def main() -> None:
     name = "tiny GPT" if args.model == "gpt" else "nn.TransformerEncoder LM"
     print(f"\nconfig: {name}, {args.epochs} epochs x {args.steps} steps (batch {args.batch_size}, "
           f"block {args.block_size}), validation every epoch on {args.val_windows} windows, "
-          f"{args.threads} threads, {args.repeats} pair(s)")
+          f"{args.threads} threads, {args.repeats} pair(s), PODMonitor(**{args.monitor_args})")
     print("fit wall times (s): without " + ", ".join(f"{w:.1f}" for w in walls["plain"])
           + "; with " + ", ".join(f"{w:.1f}" for w in walls["monitor"]))
     print(f"fit wall time without monitor: {plain:.1f} s")

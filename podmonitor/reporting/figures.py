@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import sys
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -38,6 +38,7 @@ __all__ = [
     "coherency_figure",
     "figure_to_array",
     "head_allocation_figure",
+    "draw_run_pictures",
     "layer_images",
     "modes_figure",
     "scalogram_figure",
@@ -662,3 +663,36 @@ def layer_images(report: PODReport, layer_name: str, *, prefix: str = "pod",
         if fig is not None:
             out[f"{prefix}/{name}/{layer_name}"] = figure_to_array(fig)
     return out
+
+
+def draw_run_pictures(prefix: str, reports: Mapping[str, PODReport], present: Sequence[str],
+                      trend: Mapping[str, tuple[str, Mapping[str, Sequence[float]]]] | None = None,
+                      steps: Sequence[int] = (), units: Mapping[str, str] | None = None) -> dict[str, np.ndarray]:
+    """Every picture of one monitored run, rendered: the scale organisation over depth, each layer's
+    :func:`layer_images`, and one layers x validation-steps heatmap per headline trend.
+
+    Args:
+        prefix: tag prefix ("pod").
+        reports: layer name -> report.
+        present: the layers to draw, in depth order (names in ``reports``).
+        trend: metric key -> (title, {layer: values at ``steps``}); sub-layer names (with "/") get
+            no heatmap row.
+        steps: the validation steps of the trend.
+        units: metric key -> unit, for the heatmaps' colour bars.
+
+    Returns:
+        tag -> (H, W, 3) uint8 array.
+    """
+    layer_reports = [reports[n] for n in present]
+    pictures: dict[str, np.ndarray] = {}
+    if not layer_reports:
+        return pictures
+    pictures[f"{prefix}/scale_organisation"] = figure_to_array(scale_organisation_figure(layer_reports, present))
+    for name in present:
+        pictures.update(layer_images(reports[name], name, prefix=prefix))
+    layers = [n for n in present if "/" not in n]
+    for key, (title, series) in (trend or {}).items():
+        grid = np.array([list(series.get(n, [math.nan] * len(steps))) for n in layers], dtype=float)
+        fig = trend_heatmap_figure(title, steps, layers, grid, unit=(units or {}).get(key, ""))
+        pictures[f"{prefix}/trend/{key}"] = figure_to_array(fig)
+    return pictures
