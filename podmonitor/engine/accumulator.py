@@ -24,7 +24,6 @@ band), not on how many snapshots were seen before.
 from __future__ import annotations
 
 import math
-import threading
 from typing import Any
 
 import numpy as np
@@ -88,65 +87,6 @@ def row_sums_in(x: Tensor, dtype: torch.dtype) -> Tensor:
         stop = min(x.shape[0], start + step)
         torch.sum(buf[:stop - start].copy_(x[start:stop]), dim=-1, out=out[start:stop])
     return out
-
-
-class _Workspace:
-    """The temporaries of :meth:`PODAccumulator.update` for one dtype and device, kept between calls.
-
-    At L = 1024 one update needs about 60 MB of temporaries; allocated afresh per call they are
-    returned to the operating system and faulted in again every time (a large share of the
-    update's time was system time). Kept per thread (updates of one thread run one at a time), for
-    the last shape asked for under each name, so at most one set is held.
-    """
-
-    def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
-        self.dtype, self.device = dtype, device
-        self._buffers: dict[str, Tensor] = {}
-        self._shear: LagShear | None = None
-
-    def empty(self, name: str, shape: tuple[int, ...]) -> Tensor:
-        """A buffer of ``shape`` with arbitrary content."""
-        buf = self._buffers.get(name)
-        if buf is None or tuple(buf.shape) != tuple(shape):
-            with torch.inference_mode(False):  # normal tensors: usable in and out of inference mode
-                buf = torch.empty(shape, dtype=self.dtype, device=self.device)
-            self._buffers[name] = buf
-        return buf
-
-    def zeros(self, name: str, shape: tuple[int, ...]) -> Tensor:
-        """A buffer of ``shape`` set to zero."""
-        return self.empty(name, shape).zero_()
-
-    def zeroed_once(self, name: str, shape: tuple[int, ...]) -> Tensor:
-        """A buffer of ``shape`` zeroed when it was allocated and reused as it is since (the caller
-        writes only where it reads, e.g. :func:`~podmonitor.engine.lags.row_entropy`'s ``work``)."""
-        buf = self._buffers.get(name)
-        if buf is None or tuple(buf.shape) != tuple(shape):
-            with torch.inference_mode(False):
-                buf = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            self._buffers[name] = buf
-        return buf
-
-    def shear(self, seq_len: int, batch: int) -> LagShear:
-        """A :class:`LagShear` for ``batch`` fields of length L (its padding stays zero)."""
-        if self._shear is None or self._shear.seq_len != seq_len or self._shear.batch != batch:
-            with torch.inference_mode(False):
-                self._shear = LagShear(seq_len, batch, self.dtype, self.device)
-        return self._shear
-
-
-_workspaces = threading.local()
-
-
-def _workspace(dtype: torch.dtype, device: torch.device) -> _Workspace:
-    """This thread's :class:`_Workspace` for ``dtype`` on ``device``."""
-    table = getattr(_workspaces, "table", None)
-    if table is None:
-        table = _workspaces.table = {}
-    key = (dtype, str(device))
-    if key not in table:
-        table[key] = _Workspace(dtype, device)
-    return table[key]
 
 
 class PODAccumulator:
@@ -386,8 +326,7 @@ class PODAccumulator:
         step = max(1, min(n_b, SUB_BYTES // (dt.itemsize * seq_len * seq_len)))
         # Centring about the batch's own mean makes each step's moment exact without the
         # between-group terms; one Chan et al. combination per batch merges it into the state.
-        ws = _workspace(dt, dev)
-        mean_b = ws.zeros("mean", (seq_len, seq_len))
+        mean_b = torch.zeros(seq_len, seq_len, dtype=dt, device=dev)
         for start in range(0, n_b, step):
             for field in x[start:start + step]:  # (an in-place add converts faster than sum(dtype=))
                 mean_b += field.to(dev)
@@ -396,17 +335,16 @@ class PODAccumulator:
         n_a = self.n
         # the between-group term as one more field (it vanishes for the first group)
         between = (mean_b - self.mean_field).mul_(math.sqrt(n_a * n_b / (n_a + n_b))) if n_a else None
-        shear = ws.shear(seq_len, step + (between is not None))
-        m2b_back = ws.zeros("m2_back", (seq_len, seq_len))
-        m2b_fwd = None if causal else ws.zeros("m2_fwd", (seq_len, seq_len))
+        shear = LagShear(seq_len, step + (between is not None), dt, dev)
+        m2b_back = torch.zeros(seq_len, seq_len, dtype=dt, device=dev)
+        m2b_fwd = None if causal else torch.zeros(seq_len, seq_len, dtype=dt, device=dev)
         batch = {r.name: r.allocate(seq_len, causal, dt, dev) for r in STEPPED}  # this batch's contributions
-        work = ws.zeroed_once("work", (step, seq_len, seq_len))  # (zeroed once: see row_entropy)
-        convert = None if x.dtype == dt and x.device == dev else ws.empty("convert", (step, seq_len, seq_len))
+        work = torch.zeros(step, seq_len, seq_len, dtype=dt, device=dev)  # (zeros: see row_entropy)
+        convert = None if x.dtype == dt and x.device == dev else torch.empty_like(work)
         tol = normalisation_tol(x.dtype)
         index = self.band.flat_index.to(dev).unsqueeze(0)
         # the batch's lag-band entries, handed to the store in parts of the size it asks for
         rows_per_feed, rows_dtype = self.store.feed(n_b, step)
-        # (fresh memory: an exact store keeps these rows as they are)
         rows_buf = torch.empty(rows_per_feed, self.band.size, dtype=rows_dtype, device=dev)
         filled = 0
         for start in range(0, n_b, step):

@@ -19,7 +19,6 @@ from ..extras import ExtraResult
 from .delivery import Outputs
 from .figures import draw_run_pictures
 from .metrics import RUN_METRICS, LogPolicy, glossary_markdown, glossary_rows, registry
-from .render_process import PictureProcess, RenderProcessError
 from .scalars import layer_scalars, metric_tags, summary_markdown, summary_table
 from .sinks import read_json_lines, strict_jsonable
 from .worker import BackgroundWorker
@@ -65,22 +64,16 @@ class Publisher:
         strict: re-raise a sink's failure instead of warning (outputs then run inline).
         background: write pictures and sinks on a background worker, so the validation loop does
             not wait for matplotlib or disk (:meth:`flush` waits for them).
-        picture_process: with ``background``, draw the pictures in a separate low-priority process
-            (:class:`~podmonitor.reporting.render_process.PictureProcess`), so that matplotlib never
-            holds the training process's interpreter lock; False draws on the background thread.
     """
 
     def __init__(self, out_dir: str, prefix: str = "pod", *, run_id: str | None = None,
-                 warning: type[Warning] = UserWarning, strict: bool = False, background: bool = True,
-                 picture_process: bool = True) -> None:
+                 warning: type[Warning] = UserWarning, strict: bool = False, background: bool = True) -> None:
         self.out_dir = out_dir
         self.prefix = prefix
         self.run_id = run_id
         # pictures and sinks run on a worker thread (the JSON-lines record is written at once);
         # in strict mode they run inline so that an error can be raised
         self.worker = BackgroundWorker(warning=warning) if background and not strict else None
-        # and matplotlib runs in a low-priority child process, off the training's interpreter lock
-        self.pictures = PictureProcess() if self.worker is not None and picture_process else None
         self._policy = LogPolicy()
         self._last_top: dict[str, float] = {}
         self._glossary_sent = False
@@ -260,17 +253,8 @@ class Publisher:
                   failures: list[str], trend: Mapping[str, Any] | None = None,
                   steps: Sequence[int] = ()) -> dict[str, Any]:
         """Every picture of a run (:func:`~podmonitor.reporting.figures.draw_run_pictures`); ``trend``
-        (copies of the headline series, see :meth:`_trend`) adds the layers x steps heatmaps. Drawn in
-        the picture process when there is one (see :mod:`.render_process`), else here; when the
-        process fails, here, with one warning."""
+        (copies of the headline series, see :meth:`_trend`) adds the layers x steps heatmaps."""
         units = {m.key: m.unit for m in registry()}
-        if self.pictures is not None and self.pictures.broken is None:
-            try:
-                return self.pictures.draw(self.prefix, reports, present, trend, steps, units)
-            except RenderProcessError as err:
-                if self.pictures.broken is not None:
-                    # (they are drawn below, in this process, from now on)
-                    self.outputs._failed("the picture process", "handing the pictures", err, failures)
         try:
             return draw_run_pictures(self.prefix, reports, present, trend, steps, units)
         except Exception as err:  # noqa: BLE001 - a picture never costs the numbers
@@ -343,8 +327,6 @@ class Publisher:
         """Run the queued outputs, close the JSON-lines file, flush the sinks."""
         if self.worker is not None:
             self.worker.close()
-        if self.pictures is not None:
-            self.pictures.close()
         self.outputs.close()
 
 
