@@ -199,7 +199,7 @@ class Publisher:
         def job() -> None:
             pictures: dict[str, Any] = {}
             if images and layer_reports:
-                pictures = self._pictures(reports, present, layer_reports, failures, trend, steps)
+                pictures = self._pictures(reports, present, failures, trend, steps)
                 for res in extras.values():
                     pictures.update(self._extra_pictures(res, failures))
 
@@ -249,9 +249,8 @@ class Publisher:
         entry["output_failures"] = failures  # filled by the outputs job (in the background)
         return entry
 
-    def _pictures(self, reports: Mapping[str, PODReport], present: Sequence[str], layer_reports: Sequence[PODReport],
-                  failures: list[str], trend: Mapping[str, Any] | None = None,
-                  steps: Sequence[int] = ()) -> dict[str, Any]:
+    def _pictures(self, reports: Mapping[str, PODReport], present: Sequence[str], failures: list[str],
+                  trend: Mapping[str, Any] | None = None, steps: Sequence[int] = ()) -> dict[str, Any]:
         """Every picture of a run (:func:`~podmonitor.reporting.figures.draw_run_pictures`); ``trend``
         (copies of the headline series, see :meth:`_trend`) adds the layers x steps heatmaps."""
         units = {m.key: m.unit for m in registry()}
@@ -284,7 +283,7 @@ class Publisher:
         failures: list[str] = []
 
         def job() -> None:
-            pictures = self._pictures(reports, present, layer_reports, failures, trend, steps)
+            pictures = self._pictures(reports, present, failures, trend, steps)
             if pictures:
                 self.outputs.send(loggers, lambda sink: sink.log_images(pictures, step), failures)
 
