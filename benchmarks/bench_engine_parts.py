@@ -18,7 +18,8 @@ It prints:
    ``compute`` without the coherency map (best of ``--repeats``); the difference is the
    coherency's share;
 4. the time of ``analyze`` on all layers, best of ``--repeats`` runs in one process (warm), and the
-   time of ``update`` at L = 1024, N = 150 (three batches of 50, one layer; ``--skip-long`` to skip);
+   time of ``update`` at L = 1024, N = 150 (three batches of 50, one layer; float64 fields, and float32
+   fields as a capture hands them over; ``--skip-long`` to skip);
    ``--compare OLD_ROOT --rounds R`` instead times both in fresh processes for OLD_ROOT and this
    tree, alternating R times, and prints the medians;
 5. with ``--digest``: the numbers, for comparing two engines (``--root``) digit for digit: per
@@ -173,14 +174,17 @@ def digest(layers, seq_len: int) -> None:
           f"entropy {_sha(acc.entropy_sum)}")
 
 
-def long_update_seconds(seq_len: int = 1024, n: int = 150, batch: int = 50) -> float:
+def long_update_seconds(seq_len: int = 1024, n: int = 150, batch: int = 50, dtype: str = "float64") -> float:
     """Seconds of ``PODAccumulator.update`` for N snapshots of length L, fed in batches (one layer,
-    default configuration); the batches are generated first, the first call at this length is not
-    timed."""
+    default configuration) in ``dtype`` ("float32": what a capture hands over); the batches are
+    generated first, the first call at this length is not timed."""
+    import torch
+
     from podmonitor import PODAccumulator, PODConfig
     from podmonitor.synthetic import layered_ensemble
 
-    batches = [layered_ensemble(1, min(batch, n - lo), seq_len, seed=lo)[0] for lo in range(0, n, batch)]
+    batches = [layered_ensemble(1, min(batch, n - lo), seq_len, seed=lo)[0].to(getattr(torch, dtype))
+               for lo in range(0, n, batch)]
     acc = PODAccumulator(PODConfig())
     acc.update(batches[0][:2])  # start-up at this length, not timed
     acc.reset()
@@ -204,7 +208,8 @@ def timing_child(args) -> dict:
               for t in layered_ensemble(args.layers, args.n, args.seq_len, seed=0)]
     analyze(layers[0][:8, :32, :32].contiguous())  # start-up
     total = best_of(args.repeats, lambda: [analyze(f) for f in layers])
-    return {"analyze_all_s": total, "long_update_s": long_update_seconds()}
+    return {"analyze_all_s": total, "long_update_s": long_update_seconds(),
+            "long_update_f32_s": long_update_seconds(dtype="float32")}
 
 
 def compare(args) -> None:
@@ -224,14 +229,15 @@ def compare(args) -> None:
             runs[root].append(json.loads(out.stdout.strip().splitlines()[-1]))
             print(f"  round {k + 1}, {root}: {runs[root][-1]}", flush=True)
     print(f"\nmedians of {args.rounds} alternating rounds (fresh process each), {args.threads} threads")
-    print(f"{'tree':<40} {'analyze, all layers (s)':>24} {'update L=1024 N=150 (s)':>24}")
+    keys = ("analyze_all_s", "long_update_s", "long_update_f32_s")
+    print(f"{'tree':<40} {'analyze, all layers (s)':>24} {'update L=1024 N=150 (s)':>24} "
+          f"{'same, float32 fields (s)':>25}")
     med = {}
     for root in roots:
-        med[root] = {k: statistics.median(r[k] for r in runs[root]) for k in ("analyze_all_s", "long_update_s")}
-        print(f"{str(root):<40} {med[root]['analyze_all_s']:>24.3f} {med[root]['long_update_s']:>24.3f}")
+        med[root] = {k: statistics.median(r[k] for r in runs[root]) for k in keys}
+        print(f"{str(root):<40} " + " ".join(f"{med[root][k]:>24.3f}" for k in keys))
     old, new = med[roots[0]], med[roots[1]]
-    print(f"{'old / new':<40} {old['analyze_all_s'] / new['analyze_all_s']:>24.2f} "
-          f"{old['long_update_s'] / new['long_update_s']:>24.2f}")
+    print(f"{'old / new':<40} " + " ".join(f"{old[k] / new[k]:>24.2f}" for k in keys))
 
 
 def main() -> int:
@@ -307,7 +313,8 @@ def main() -> int:
     total = best_of(args.repeats, lambda: [analyze(f) for f in layers])
     print(f"\nanalyze on all {args.layers} layers, best of {args.repeats} in one process: {total:.3f} s")
     if not args.skip_long:
-        print(f"update at L = 1024, N = 150 (three batches of 50, one layer): {long_update_seconds():.3f} s")
+        print(f"update at L = 1024, N = 150 (three batches of 50, one layer): {long_update_seconds():.3f} s "
+              f"(float64 fields), {long_update_seconds(dtype='float32'):.3f} s (float32 fields, as captured)")
 
     if args.digest:
         digest(layers, args.seq_len)

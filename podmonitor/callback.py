@@ -40,6 +40,10 @@ from .extras import (
 STATE_VERSION = 1
 #: default scale of the coherency map (tokens): scales[4] of the default grid, 2^(1 + 5 * 4 / 19) = 4.15
 COHERENCY_SCALE = 2.0 ** (1.0 + 5.0 * 4.0 / 19.0)
+#: a layer's head-averaged fields are handed to its accumulator in groups of at least this many
+#: bytes (a validation batch of a few long sequences is small): each update pays a few passes over
+#: (L, L) state and one more field in its products, once per group instead of once per batch
+FEED_BYTES = 32 * 2**20
 # the state of version 1 without a run id still loads (run_id then unknown)
 
 
@@ -250,6 +254,7 @@ class PODMonitor(MonitorCallback):
         self._shared_batches = 0  # batches over which the quota is shared (same on every rank)
         self._taken_all = 0  # snapshots taken by all ranks so far (shared quota only)
         self._accumulators: dict[str, PODAccumulator] = {}
+        self._pending: dict[str, list[torch.Tensor]] = {}  # head-averaged fields not yet added, per layer
         self._stability: dict[str, StabilityAccumulator] = {}  # METHOD.md section 10, per layer
         self._flagged: dict[str, str] = {}  # layers the capture excluded (e.g. a failed self-check)
         self._counters: dict[str, int] = {}  # the capture's event counts (e.g. cross-attention calls)
@@ -450,6 +455,7 @@ class PODMonitor(MonitorCallback):
                 self._layer_names.remove(name)
                 for key in [k for k in self._accumulators if k == name or k.startswith(name + "/")]:
                     del self._accumulators[key]
+                self._pending.pop(name, None)
                 self._stability.pop(name, None)
         if not captured.fields:
             raise ValueError("the capture returned no attention layers")
@@ -502,7 +508,7 @@ class PODMonitor(MonitorCallback):
                 # (b, H, T, T); index is sorted and unique (nonzero, then a prefix): all of it is
                 # the whole batch, used as is (no copy of every layer's maps)
                 sel = f if index.numel() == f.shape[0] else f.index_select(0, index.to(f.device))
-                self._accumulators[name].update(_head_average(sel, (self._active or {}).get(name)))
+                self._feed(name, _head_average(sel, (self._active or {}).get(name)))
                 if self.per_head:
                     for h in range(sel.shape[1]):
                         self._accumulators[f"{name}/head_{h:02d}"].update(sel[:, h])
@@ -513,16 +519,51 @@ class PODMonitor(MonitorCallback):
                     stab.update(sel, None if lm is None else lm.index_select(0, index.to(lm.device)),
                                 causal=captured.causal)
         except MemoryBudgetError as err:
-            self._budget_hit = True
-            self._skipped["budget"] += int(index.numel())
-            msg = f"PODMonitor: memory budget exceeded, capture stopped for this run (MemoryBudgetError: {err})"
-            self._run_errors.append(msg)
-            self._note_once(msg, msg)
+            self._budget_refused(err, int(index.numel()))
             return
         self._taken += int(index.numel())
 
+    def _feed(self, name: str, fields: torch.Tensor) -> None:
+        """Queue a layer's (b, T, T) head-averaged fields; add the queue to the layer's accumulator
+        once it holds :data:`FEED_BYTES` (the rest at the end of the run, :meth:`_flush_all`).
+
+        Under a memory budget every batch is added at once, as it comes: the budget does not count
+        a queue, and refuses the batch that would exceed it (the capture then stops)."""
+        pending = self._pending.setdefault(name, [])
+        pending.append(fields)
+        if self._accumulators[name].config.memory_budget_bytes is not None \
+                or sum(p.numel() for p in pending) * fields.element_size() >= FEED_BYTES:
+            self._flush(name)
+
+    def _flush(self, name: str) -> None:
+        """Add a layer's queued fields to its accumulator, as one batch."""
+        pending = self._pending.pop(name, [])
+        if pending:
+            self._accumulators[name].update(pending[0] if len(pending) == 1 else torch.cat(pending))
+
+    def _flush_all(self) -> None:
+        """Add every layer's queued fields (at the end of a run, before the states are gathered);
+        a failure is handled like one while accumulating (warned, or raised when strict)."""
+        try:
+            for name in list(self._pending):
+                self._flush(name)
+        except Exception as err:  # noqa: BLE001
+            self._handle("accumulating attention fields", err)
+        self._pending.clear()
+
+    def _budget_refused(self, err: MemoryBudgetError, n_new: int) -> None:
+        """The memory budget refused snapshots: the capture stops for this run, once warned."""
+        self._budget_hit = True
+        self._skipped["budget"] += n_new
+        msg = f"PODMonitor: memory budget exceeded, capture stopped for this run (MemoryBudgetError: {err})"
+        self._run_errors.append(msg)
+        self._note_once(msg, msg)
+
     def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._stop_capture()
+        t_flush = time.perf_counter()
+        self._flush_all()
+        self._accumulate_seconds += time.perf_counter() - t_flush
         if trainer.sanity_checking or self._adapter is None or not self._monitored_run:
             # every rank decides the same way (same validation count), so nobody waits here
             return

@@ -350,3 +350,43 @@ def test_stability_signals_reach_the_record_and_match_literal_formulas(tmp_path)
         assert stab["max_logit_layer"] is None  # the protocol adapter gives probabilities only
         series = scalar_series(os.path.join(logger.log_dir, "podmonitor_layers", layer))
         assert series["pod/stability/sink_mass"][0][1] == pytest.approx(sink, rel=1e-5)
+
+
+@pytest.mark.parametrize("feed_bytes", [1, 2 * 8 * 32 * 32 * 4, None])
+def test_fields_grouped_on_their_way_to_the_engine_give_the_analysis_of_every_snapshot(tmp_path, monkeypatch,
+                                                                                      feed_bytes):
+    """Head-averaged fields are queued and added in groups (every batch: 1 byte; two batches of 8
+    float32 32 x 32 fields; the default: the whole run at its end): the report equals analyze() of
+    the hand-captured maps of the same sequences."""
+    import podmonitor.callback as callback_module
+
+    if feed_bytes is not None:
+        monkeypatch.setattr(callback_module, "FEED_BYTES", feed_bytes)
+    updates = []
+    real_update = callback_module.PODAccumulator.update
+
+    def counting_update(self, fields):
+        updates.append((id(self), int(fields.shape[0])))
+        return real_update(self, fields)
+
+    monkeypatch.setattr(callback_module.PODAccumulator, "update", counting_update)
+    monitor = PODMonitor(n_snapshots=40, config=FAST, log_images=False, output_dir=str(tmp_path / "pm"))
+    model = TinyGPT()
+    make_trainer(tmp_path, monitor, max_epochs=1, num_sanity_val_steps=0).fit(model)
+    rec = read_jsonl(tmp_path / "pm" / "podmonitor.jsonl")[0]
+    # per layer: 5 batches of 8, in groups of 1, 2 (2, 2, 1) or all 5
+    expected = {1: [8] * 5, 2 * 8 * 32 * 32 * 4: [16, 16, 8], None: [40]}[feed_bytes]
+    per_layer = {}
+    for acc, n in updates:
+        per_layer.setdefault(acc, []).append(n)
+    assert list(per_layer.values()) == [expected, expected]
+    model.eval()
+    maps = [torch.stack(model.attention_maps(b)).mean(2) for b in list(model.val_dataloader())[:5]]
+    fields = torch.cat(maps, dim=1)  # (layers, 40, T, T)
+    for i, layer in enumerate(("layer_00", "layer_01")):
+        ref = analyze(fields[i], FAST)
+        got = rec["layers"][layer]
+        assert got["n_snapshots"] == 40
+        assert got["dominant_scales"] == pytest.approx(ref.dominant_scales, rel=1e-12)
+        assert got["t_spec"] == pytest.approx(ref.t_spec, rel=1e-6)
+        assert got["entropy"] == pytest.approx(ref.entropy, rel=1e-6)

@@ -335,9 +335,13 @@ class PODAccumulator:
         n_a = self.n
         # the between-group term as one more field (it vanishes for the first group)
         between = (mean_b - self.mean_field).mul_(math.sqrt(n_a * n_b / (n_a + n_b))) if n_a else None
-        shear = LagShear(seq_len, step + (between is not None), dt, dev)
+        # the products in the moment dtype (float32 for float32 captures, see PODConfig.moment_dtype);
+        # each step's product is added to the batch's moments in dt
+        md = cfg.moment_dtype_for(x.dtype)
+        shear = LagShear(seq_len, step + (between is not None), md, dev)
         m2b_back = torch.zeros(seq_len, seq_len, dtype=dt, device=dev)
         m2b_fwd = None if causal else torch.zeros(seq_len, seq_len, dtype=dt, device=dev)
+        step_moment = None if md == dt else torch.empty(seq_len, seq_len, dtype=md, device=dev)
         batch = {r.name: r.allocate(seq_len, causal, dt, dev) for r in STEPPED}  # this batch's contributions
         work = torch.zeros(step, seq_len, seq_len, dtype=dt, device=dev)  # (zeros: see row_entropy)
         convert = None if x.dtype == dt and x.device == dev else torch.empty_like(work)
@@ -352,10 +356,15 @@ class PODAccumulator:
             part = x[start:stop]
             if convert is not None:
                 part = convert[:stop - start].copy_(part)
-            shear.load(part, mean_b, extra=between if start == 0 else None)
-            shear.add_backward_moment(m2b_back)
-            if m2b_fwd is not None:
-                shear.add_forward_moment(m2b_fwd)
+            shear.load(part, mean_b, extra=between if start == 0 else None)  # (rounded to md once)
+            for moment, add in ((m2b_back, shear.add_backward_moment), (m2b_fwd, shear.add_forward_moment)):
+                if moment is None:
+                    continue
+                if step_moment is None:
+                    add(moment)
+                else:
+                    add(step_moment.zero_())
+                    moment += step_moment
             ctx = BatchStep(part, causal, work, tol, row_sums[start:stop].to(dev))
             for r in STEPPED:
                 batch[r.name] = r.combine(batch[r.name], r.step(ctx))

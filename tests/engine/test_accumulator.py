@@ -257,7 +257,8 @@ def test_non_contiguous_and_converted_input_match_the_literal_moments():
     assert torch.equal(acc.chunks[0], acc.band.extract(fields))
     f32 = fields.float()  # converted step by step inside the update
     mean, moment = literal(f32.numpy())
-    as_f32 = PODAccumulator(PODConfig())
+    # float64 products on request (the default's float32 products: tests/engine/test_moment_precision.py)
+    as_f32 = PODAccumulator(PODConfig(moment_dtype=torch.float64))
     as_f32.update(f32)
     np.testing.assert_allclose(as_f32.mean_field.numpy(), mean, rtol=1e-14, atol=1e-17)
     np.testing.assert_allclose(as_f32.m2_back.numpy(), moment, rtol=1e-12, atol=1e-15)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -84,16 +86,19 @@ def test_every_running_quantity_is_saved_merged_and_reset_from_the_table():
     nan = fields[:2].clone()
     nan[0, 3, 1] = float("nan")
     batches = [fields[:6], nan, fields[6:].float(), fields[:1], fields[:0]]  # two dtypes, an empty batch
-    one = PODAccumulator(CFG)
+    # float64 products also for the float32 batch: the merge algebra is exact, float32 products
+    # round differently for different groupings (their bound: tests/engine/test_moment_precision.py)
+    cfg = replace(CFG, moment_dtype=torch.float64)
+    one = PODAccumulator(cfg)
     for part in batches:
         one.update(part)
-    a, b = PODAccumulator(CFG), PODAccumulator(CFG)
+    a, b = PODAccumulator(cfg), PODAccumulator(cfg)
     for part in batches[:2]:
         a.update(part)
     for part in batches[2:]:
         b.update(part)
     merged = a.merge(b)
-    restored = PODAccumulator(CFG)
+    restored = PODAccumulator(cfg)
     restored.load_state_dict(merged.state_dict())
     state = merged.state_dict()
     for r in RUNNING:
