@@ -48,6 +48,16 @@ def _row_blocks(first: int, t: int, causal: bool) -> list[tuple[int, int, int]]:
             for r0 in range(first, t, ROWS_PER_BLOCK)]
 
 
+def _right_of_blocks_zero(fields: Tensor, blocks: list[tuple[int, int, int]]) -> bool:
+    """Whether every key right of the causal row blocks (rows ``[r0, r1)``, keys ``k..T-1``) is
+    zero in the whole (B, H, T, T) batch (NaN: not zero); one transfer for the batch."""
+    t = fields.shape[-1]
+    # (amin and amax: torch.aminmax is slow on such strided views)
+    peaks = [torch.stack((rest.amin(), rest.amax())) for seq in fields for r0, r1, k in blocks if k < t
+             for rest in (seq[:, r0:r1, k:],)]
+    return not peaks or bool((torch.stack(peaks) == 0).all())
+
+
 def _finite_or_none(x: float | None) -> float | None:
     return None if x is None or not math.isfinite(x) else float(x)
 
@@ -170,7 +180,8 @@ class StabilityAccumulator:
             raise ValueError(f"fields have {h} heads, earlier batches had {self.n_heads}")
         if logit_max is not None and tuple(logit_max.shape) != (b, h):
             raise ValueError(f"logit_max must be (B, H) = {(b, h)}, got shape {tuple(logit_max.shape)}")
-        if causal is None:  # causal when nothing lies above the diagonal (NaN there: not causal)
+        inferred = causal is None
+        if inferred:  # causal when nothing lies above the diagonal (NaN there: not causal)
             causal = max_above_diagonal(fields.reshape(b * h, t, t)) == 0 if t > 1 else True
         causal = bool(causal)
         device = fields.device
@@ -184,24 +195,33 @@ class StabilityAccumulator:
         assert self._entropy_sum is not None and self._sink_sum is not None and self._row_max_sum is not None
         assert self._max_prob is not None and self._max_logit is not None
         blocks = _row_blocks(first, t, causal)
+        right_zero = causal and (inferred or _right_of_blocks_zero(fields, blocks))
+        # which sequences are finite (aminmax: finite iff both are; NaN propagates), in one transfer
+        bounds = [torch.aminmax(fields[s]) for s in range(b)]
+        finite = torch.isfinite(torch.stack([torch.stack(lh) for lh in bounds])).all(dim=1).tolist() if b else []
+        # the sums in the same order as one sequence at a time, on the fields' device (one
+        # transfer back per batch; on the CPU these are the state's own tensors)
+        ent, sink, row_max_total = (x.to(device) for x in (self._entropy_sum, self._sink_sum, self._row_max_sum))
+        max_prob, max_logit = self._max_prob.to(device), self._max_logit.to(device)
         used = 0
         for s in range(b):
-            a = fields[s].float()  # (H, T, T)
-            lo, hi = torch.aminmax(a)  # finite iff both are (NaN propagates)
-            if not (math.isfinite(float(lo)) and math.isfinite(float(hi))):
+            if not finite[s]:
                 self.n_skipped_nonfinite += 1
                 continue
+            a = fields[s].float()  # (H, T, T)
             used += 1
             if n_rows:
-                ent_sum, row_max_sum, row_max_peak = self._entropy_and_row_max(a, blocks, log_n, first)
-                self._entropy_sum += ent_sum.cpu()
-                self._row_max_sum += row_max_sum.cpu()
-                self._max_prob = torch.maximum(self._max_prob, row_max_peak.double().cpu())
+                ent_sum, row_max_sum, row_max_peak = self._entropy_and_row_max(a, blocks, log_n, first, right_zero)
+                ent += ent_sum
+                row_max_total += row_max_sum
+                max_prob = torch.maximum(max_prob, row_max_peak.double())
             if t > 1:
-                self._sink_sum += a[:, 1:, 0].sum(dim=-1, dtype=torch.float64).cpu()
+                sink += a[:, 1:, 0].sum(dim=-1, dtype=torch.float64)
             if logit_max is not None:
-                lm = logit_max[s].detach().double().cpu()
-                self._max_logit = torch.maximum(self._max_logit, lm.nan_to_num(nan=-math.inf))
+                lm = logit_max[s].detach().double().to(device)
+                max_logit = torch.maximum(max_logit, lm.nan_to_num(nan=-math.inf))
+        self._entropy_sum, self._sink_sum, self._row_max_sum = ent.cpu(), sink.cpu(), row_max_total.cpu()
+        self._max_prob, self._max_logit = max_prob.cpu(), max_logit.cpu()
         self._entropy_rows += used * n_rows
         self._sink_rows += used * (t - 1)
         self.n_snapshots += used
@@ -211,13 +231,14 @@ class StabilityAccumulator:
             self.causal_seen.add(causal)
 
     def _entropy_and_row_max(self, a: Tensor, blocks: list[tuple[int, int, int]], log_n: Tensor,
-                             first: int) -> tuple[Tensor, Tensor, Tensor]:
+                             first: int, right_zero: bool) -> tuple[Tensor, Tensor, Tensor]:
         """One finite sequence's sums over its rows ``first..T-1``.
 
         Works in row blocks ``[r0, r1)`` whose keys ``[:k]`` hold everything a causal row can see
         (k = r1; all T keys for bidirectional attention). The keys right of a block, which causal
         attention leaves at zero, enter only if they are not all zero, so the sums are those over
-        every key (0 log 0 = 0, and a zero does not raise a row maximum of probabilities).
+        every key (0 log 0 = 0, and a zero does not raise a row maximum of probabilities);
+        ``right_zero`` says they are all zero (checked once per batch by the caller).
         ``p log p`` is evaluated in the field's float32 and summed over keys in float64.
 
         Args:
@@ -225,6 +246,7 @@ class StabilityAccumulator:
             blocks: ``(r0, r1, k)`` row blocks covering rows ``first..T-1``.
             log_n: (T - first,) float64 log of each row's visible keys.
             first: the first row with a defined entropy.
+            right_zero: every key right of the causal row blocks is zero.
 
         Returns:
             entropy: (H,) float64 sum over the rows of the normalised row entropy.
@@ -246,8 +268,7 @@ class StabilityAccumulator:
             row_max = block.amax(dim=-1)  # (H, rows)
             if k < t:
                 rest = a[:, r0:r1, k:]
-                # (amin and amax: torch.aminmax is slow on such strided views)
-                if float(rest.amin()) != 0 or float(rest.amax()) != 0:  # not causal after all: the keys right count too
+                if not right_zero:  # not causal after all: the keys right count too
                     row_h += plogp_(rest, torch.empty_like(rest)).sum(dim=-1, dtype=torch.float64)
                     row_max = torch.maximum(row_max, rest.amax(dim=-1))
                 else:
