@@ -5,6 +5,7 @@ Usage (from the repository root)::
     python benchmarks/bench_overhead.py                  # tiny reference GPT on TinyShakespeare
     python benchmarks/bench_overhead.py --model encoder  # a causal nn.TransformerEncoder LM
     python benchmarks/bench_overhead.py --epochs 2 --steps 50   # quicker
+    python benchmarks/bench_overhead.py --device cuda --threads 16   # on a GPU
 
 It trains the same model (same seed, same data, validation every epoch) with and without the
 default ``PODMonitor()`` (N = 150 snapshots, TensorBoard logger), each fit in its own subprocess,
@@ -86,7 +87,7 @@ def child(args: argparse.Namespace) -> None:
     else:
         model = EncoderLM(vocab=65, block=args.block_size)
     callbacks = [PODMonitor(**json.loads(args.monitor_args))] if args.side == "monitor" else []
-    trainer = L.Trainer(max_epochs=args.epochs, accelerator="cpu", devices=1, logger=TensorBoardLogger(args.tmp),
+    trainer = L.Trainer(max_epochs=args.epochs, accelerator=args.device, devices=1, logger=TensorBoardLogger(args.tmp),
                         callbacks=callbacks, enable_progress_bar=False, enable_model_summary=False,
                         enable_checkpointing=False, num_sanity_val_steps=0, gradient_clip_val=1.0)
     t0 = time.perf_counter()
@@ -111,6 +112,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3, help="pairs of runs (order alternates)")
     p.add_argument("--model", choices=["gpt", "encoder"], default="gpt")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", default="cpu", help="Lightning accelerator of both sides, e.g. cuda")
     p.add_argument("--monitor-args", default="{}",
                    help='PODMonitor keyword arguments as JSON, to attribute the cost (default: none, the '
                         'defaults users get), e.g. \'{"log_images": false}\'')
@@ -130,7 +132,7 @@ def main() -> None:
                 cmd = [sys.executable, str(Path(__file__).resolve()), "--side", side, "--tmp", tmp,
                        "--epochs", str(args.epochs), "--steps", str(args.steps), "--batch-size", str(args.batch_size),
                        "--block-size", str(args.block_size), "--val-windows", str(args.val_windows),
-                       "--threads", str(args.threads), "--model", args.model,
+                       "--threads", str(args.threads), "--model", args.model, "--device", args.device,
                        "--monitor-args", args.monitor_args]
                 out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
                 res = json.loads(out.strip().splitlines()[-1])
@@ -143,7 +145,7 @@ def main() -> None:
     name = "tiny GPT" if args.model == "gpt" else "nn.TransformerEncoder LM"
     print(f"\nconfig: {name}, {args.epochs} epochs x {args.steps} steps (batch {args.batch_size}, "
           f"block {args.block_size}), validation every epoch on {args.val_windows} windows, "
-          f"{args.threads} threads, {args.repeats} pair(s), PODMonitor(**{args.monitor_args})")
+          f"{args.threads} threads, {args.device}, {args.repeats} pair(s), PODMonitor(**{args.monitor_args})")
     print("fit wall times (s): without " + ", ".join(f"{w:.1f}" for w in walls["plain"])
           + "; with " + ", ".join(f"{w:.1f}" for w in walls["monitor"]))
     print(f"fit wall time without monitor: {plain:.1f} s")
