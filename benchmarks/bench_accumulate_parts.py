@@ -1,0 +1,103 @@
+"""Where the monitor's "accumulate" time goes at GPT-2-small shape, part by part, in one process.
+
+Usage (from the repository root)::
+
+    python benchmarks/bench_accumulate_parts.py            # L = 1024, 12 heads, batches of 2, 16 sequences
+    python benchmarks/bench_accumulate_parts.py --seq-len 256
+
+For one layer it times what ``PODMonitor`` does with every validation batch of (B, H, L, L) float32
+causal attention (random softmax maps): the head average, the per-head stability signals
+(``StabilityAccumulator.update``) and the engine's update, the last three ways (batch by batch
+with the default float32 moment products, grouped into one update as the monitor now does, and
+batch by batch with float64 products as before ``PODConfig.moment_dtype``), and the lag-moment
+products alone (``LagShear``, float64 and float32). Each time is the best of ``--repeats`` and is
+also printed scaled to 12 layers and N = 150, the shape of ``bench_validation_run.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from collections.abc import Callable
+
+
+def best_of(repeats: int, fn: Callable[[], object]) -> float:
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seq-len", type=int, default=1024)
+    ap.add_argument("--heads", type=int, default=12)
+    ap.add_argument("--batch", type=int, default=2, help="sequences per validation batch")
+    ap.add_argument("--batches", type=int, default=8, help="batches timed (one layer)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=2)
+    args = ap.parse_args(argv)
+
+    import torch
+
+    from podmonitor.engine import PODAccumulator, PODConfig
+    from podmonitor.engine.lags import LagShear
+    from podmonitor.engine.stability import StabilityAccumulator
+
+    torch.set_num_threads(args.threads)
+    seq_len, heads, b, nb = args.seq_len, args.heads, args.batch, args.batches
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(b, heads, seq_len, seq_len, generator=g) * 2
+    logits.masked_fill_(torch.ones(seq_len, seq_len, dtype=torch.bool).triu(1), float("-inf"))
+    fields = torch.softmax(logits, dim=-1)  # (B, H, L, L) float32, as captured
+    del logits
+    avg = fields.mean(dim=1)  # (B, L, L)
+    n_seq = b * nb
+    scale = 12 * 150 / n_seq
+
+    def fresh(cfg: PODConfig) -> PODAccumulator:
+        acc = PODAccumulator(cfg)
+        acc.update(avg[:1])  # start-up at this length, not timed
+        acc.reset()
+        return acc
+
+    def feed(cfg: PODConfig, grouped: bool) -> Callable[[], object]:
+        def run() -> None:
+            acc = fresh(cfg)
+            if grouped:
+                acc.update(torch.cat([avg] * nb))
+            else:
+                for _ in range(nb):
+                    acc.update(avg)
+        return run
+
+    stab = StabilityAccumulator()
+    stab.update(fields[:1], causal=True)
+    cfg = PODConfig(coherency=False, causal=True)
+    f64 = PODConfig(coherency=False, causal=True, moment_dtype=torch.float64)
+    parts = {
+        "head average": lambda: [fields.mean(dim=1) for _ in range(nb)],
+        "stability signals (per head)": lambda: [stab.update(fields, causal=True) for _ in range(nb)],
+        "update, batch by batch": feed(cfg, grouped=False),
+        "update, grouped (as the monitor feeds it)": feed(cfg, grouped=True),
+        "update, batch by batch, float64 products": feed(f64, grouped=False),
+    }
+    print(f"one layer, {nb} batches of {b} sequences, H = {heads}, L = {seq_len}, {args.threads} threads, "
+          f"best of {args.repeats}")
+    print(f"{'part':<45} {'seconds':>9} {'scaled to 12 layers, N = 150':>30}")
+    for name, fn in parts.items():
+        s = best_of(args.repeats, fn)
+        print(f"{name:<45} {s:9.3f} {s * scale:30.1f}")
+    for dtype in (torch.float64, torch.float32):
+        shear = LagShear(seq_len, 1, dtype, torch.device("cpu"))
+        out = torch.zeros(seq_len, seq_len, dtype=dtype)
+        shear.load(avg[:1].to(dtype))
+        s = best_of(args.repeats, lambda: [shear.add_backward_moment(out) for _ in range(n_seq)])  # noqa: B023
+        print(f"{'lag-moment products alone, ' + str(dtype).replace('torch.', ''):<45} {s:9.3f} {s * scale:30.1f}")
+
+
+if __name__ == "__main__":
+    main()
