@@ -42,7 +42,15 @@ from .budget import (
     sketch_rank_for,
 )
 from .config import PODConfig
-from .lags import SUB_BYTES, LagBand, LagShear, lag_moment, lag_signals, max_above_diagonal
+from .lags import (
+    SUB_BYTES,
+    LagBand,
+    LagShear,
+    lag_moment,
+    lag_signals,
+    lower_row_blocks,
+    max_above_diagonal,
+)
 from .report import PODReport
 from .running import RUNNING, STEPPED, BatchStep, normalisation_tol
 from .sketch import FrequentDirections
@@ -72,21 +80,32 @@ def _as_tensor(fields: Any) -> Tensor:
     raise TypeError(f"fields must be a torch.Tensor or numpy.ndarray, got {type(fields).__name__}")
 
 
-def row_sums_in(x: Tensor, dtype: torch.dtype) -> Tensor:
-    """(B, L) row sums of (B, L, L) fields in ``dtype``, a few fields at a time.
+def field_sums(x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Row sums and the batch sum of (B, L, L) fields in ``dtype``, a few fields at a time.
 
-    Each part is converted into a reused buffer first and summed there: the same sums as
-    ``x.sum(-1, dtype=dtype)`` (to rounding), several times faster for float32 fields on CPU.
+    Returns:
+        row_sums: (B, L), the same sums as ``x.sum(-1, dtype=dtype)`` (to rounding).
+        total: (L, L) ``sum_s x[s]`` in ``dtype``, the fields added one after another (the batch
+            mean's numerator).
+
+    The fields are converted into a reused buffer and used twice there: several times faster
+    for float32 fields on CPU than mixed-dtype reductions, and one pass over the batch for both.
     """
+    total = torch.zeros(x.shape[1:], dtype=dtype, device=x.device)
     if x.dtype == dtype or x.numel() == 0:
-        return x.sum(-1)
+        for field in x:
+            total += field
+        return x.sum(-1), total
     step = max(1, min(x.shape[0], SUB_BYTES // (dtype.itemsize * x.shape[1] * x.shape[2])))
     buf = torch.empty((step, *x.shape[1:]), dtype=dtype, device=x.device)
     out = torch.empty(x.shape[:2], dtype=dtype, device=x.device)
     for start in range(0, x.shape[0], step):
         stop = min(x.shape[0], start + step)
-        torch.sum(buf[:stop - start].copy_(x[start:stop]), dim=-1, out=out[start:stop])
-    return out
+        part = buf[:stop - start].copy_(x[start:stop])
+        torch.sum(part, dim=-1, out=out[start:stop])
+        for field in part:
+            total += field
+    return out, total
 
 
 class PODAccumulator:
@@ -252,13 +271,14 @@ class PODAccumulator:
         dtype_name = str(x.dtype).replace("torch.", "")
         # A sum is finite iff every entry is (barring overflow, which the exact check catches); the
         # row sums also serve the normalisation check of the running state.
-        row_sums = row_sums_in(x, self.config.dtype)  # (B, L)
+        row_sums, total = field_sums(x, self.config.dtype)  # (B, L), (L, L)
         finite = torch.isfinite(row_sums).all(dim=1)
         if not bool(finite.all()):
             finite = torch.isfinite(x).flatten(1).all(dim=1)
         n_bad = int((~finite).sum())
         if n_bad:
             x, row_sums = x[finite], row_sums[finite]
+            total = field_sums(x, self.config.dtype)[1]
         if x.shape[0] == 0:
             self._merge_counts({"n_skipped_nonfinite": n_bad, "input_dtypes": {dtype_name}})
             return 0
@@ -279,7 +299,7 @@ class PODAccumulator:
             if first:
                 self._init_state(seq_len, causal, device)
             self._check_budget(x.shape[0])
-            self._add_batch(x, causal, row_sums)
+            self._add_batch(x, causal, row_sums, total)
         except BaseException:
             if first:
                 self._forget_layout()
@@ -308,17 +328,22 @@ class PODAccumulator:
             return
         raise MemoryBudgetError(budget_message(n_new, self.n, self.seq_len, cfg, self.causal))
 
-    def _add_batch(self, x: Tensor, causal: bool, row_sums: Tensor) -> None:
+    def _add_batch(self, x: Tensor, causal: bool, row_sums: Tensor, total: Tensor) -> None:
         """Add (B, L, L) checked fields: moments about the batch mean, each running quantity's steps,
         the band entries to the store.
+
+        ``row_sums`` (B, L) and ``total`` (L, L) are :func:`field_sums` of the fields.
 
         Works through the batch a few fields at a time (``SUB_BYTES`` of fields per step) in
         buffers allocated once per call: the input is converted to ``config.dtype`` and moved to
         the state's device one step at a time, never as a whole, and each step's temporaries stay
-        in cache. Chan et al.'s between-group term ``n_a n_b / n`` times the lag moment of
-        ``delta`` (the batch mean less the state's) enters the first step's products as one more
-        field, ``sqrt(n_a n_b / n) delta``. The running state changes only at the end (a sketch
-        store is fed every ``SKETCH_FEED_BYTES`` of band entries on the way).
+        in cache. Per step: the running quantities' steps and the band entries read the converted
+        fields (the band entries of narrower fields are read from the input itself, which converts
+        to the same values), then the fields are centred in place and rounded once into the
+        products' workspace. Chan et al.'s between-group term ``n_a n_b / n`` times the lag moment
+        of ``delta`` (the batch mean less the state's) enters the first step's products as one
+        more field, ``sqrt(n_a n_b / n) delta``. The running state changes only at the end (a
+        sketch store is fed every ``SKETCH_FEED_BYTES`` of band entries on the way).
         """
         assert self.band is not None and self.store is not None
         cfg = self.config
@@ -326,59 +351,52 @@ class PODAccumulator:
         step = max(1, min(n_b, SUB_BYTES // (dt.itemsize * seq_len * seq_len)))
         # Centring about the batch's own mean makes each step's moment exact without the
         # between-group terms; one Chan et al. combination per batch merges it into the state.
-        mean_b = torch.zeros(seq_len, seq_len, dtype=dt, device=dev)
-        for start in range(0, n_b, step):
-            for field in x[start:start + step]:  # (an in-place add converts faster than sum(dtype=))
-                mean_b += field.to(dev)
-        mean_b /= n_b
+        mean_b = total.to(dev).div_(n_b)
         assert self.mean_field is not None
         n_a = self.n
         # the between-group term as one more field (it vanishes for the first group)
         between = (mean_b - self.mean_field).mul_(math.sqrt(n_a * n_b / (n_a + n_b))) if n_a else None
         # the products in the moment dtype (float32 for float32 captures, see PODConfig.moment_dtype);
-        # each step's product is added to the batch's moments in dt
+        # each step's products are added to the batch's moments in dt
         md = cfg.moment_dtype_for(x.dtype)
         shear = LagShear(seq_len, step + (between is not None), md, dev)
         m2b_back = torch.zeros(seq_len, seq_len, dtype=dt, device=dev)
         m2b_fwd = None if causal else torch.zeros(seq_len, seq_len, dtype=dt, device=dev)
-        step_moment = None if md == dt else torch.empty(seq_len, seq_len, dtype=md, device=dev)
         batch = {r.name: r.allocate(seq_len, causal, dt, dev) for r in STEPPED}  # this batch's contributions
         work = torch.zeros(step, seq_len, seq_len, dtype=dt, device=dev)  # (zeros: see row_entropy)
-        convert = None if x.dtype == dt and x.device == dev else torch.empty_like(work)
+        # causal fields from BLOCKS_FROM on: conversion, centring and rounding read and write only
+        # the row blocks that hold the lower triangle (the rest of convert stays zero)
+        blocks = lower_row_blocks(seq_len, causal)
+        convert = None if x.dtype == dt and x.device == dev else torch.zeros_like(work)
+        # centred fields in dt before their rounding to md (the converted fields are centred in place)
+        centred = convert if convert is not None or md == dt else torch.empty_like(work)
         tol = normalisation_tol(x.dtype)
-        index = self.band.flat_index.to(dev).unsqueeze(0)
         # the batch's lag-band entries, handed to the store in parts of the size it asks for
         rows_per_feed, rows_dtype = self.store.feed(n_b, step)
-        rows_buf = torch.empty(rows_per_feed, self.band.size, dtype=rows_dtype, device=dev)
+        rows_buf = torch.zeros(rows_per_feed, self.band.size, dtype=rows_dtype, device=dev)
+        staging = torch.empty(step, self.band.size, dtype=dt, device=dev)  # (see LagBand.extract_into)
         filled = 0
         for start in range(0, n_b, step):
             stop = min(n_b, start + step)
             part = x[start:stop]
             if convert is not None:
-                part = convert[:stop - start].copy_(part)
-            shear.load(part, mean_b, extra=between if start == 0 else None)  # (rounded to md once)
-            for moment, add in ((m2b_back, shear.add_backward_moment), (m2b_fwd, shear.add_forward_moment)):
-                if moment is None:
-                    continue
-                if step_moment is None:
-                    add(moment)
-                else:
-                    add(step_moment.zero_())
-                    moment += step_moment
+                for r0, r1 in blocks:
+                    convert[:stop - start, r0:r1, :r1].copy_(part[:, r0:r1, :r1])
+                part = convert[:stop - start]
             ctx = BatchStep(part, causal, work, tol, row_sums[start:stop].to(dev))
             for r in STEPPED:
                 batch[r.name] = r.combine(batch[r.name], r.step(ctx))
-            flat = part.reshape(stop - start, -1)
-            rows = index.expand(stop - start, -1)
             if filled + (stop - start) > rows_per_feed:
                 self.store.add(rows_buf[:filled])
                 filled = 0
-            target = rows_buf[filled:filled + stop - start]
-            if rows_dtype == dt:
-                torch.gather(flat, 1, rows, out=target)  # (the fastest gather here)
-            else:
-                target.copy_(torch.gather(flat, 1, rows))
+            self.band.extract_into(part.reshape(stop - start, -1), rows_buf[filled:filled + stop - start], staging)
             filled += stop - start
+            # (rounded to md once; the products read the sheared copy, so part may be overwritten)
+            shear.load(part, mean_b, extra=between if start == 0 else None,
+                       scratch=None if centred is None else centred[:stop - start], blocks=blocks)
+            shear.add_backward_moment(m2b_back)
+            if m2b_fwd is not None:
+                shear.add_forward_moment(m2b_fwd)
         self._combine(n_b, mean_b, shear.finish(m2b_back, backward=True),
                       None if m2b_fwd is None else shear.finish(m2b_fwd, backward=False), between_added=True)
         self._merge_counts(batch)
