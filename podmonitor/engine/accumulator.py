@@ -88,8 +88,10 @@ def field_sums(x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         total: (L, L) ``sum_s x[s]`` in ``dtype``, the fields added one after another (the batch
             mean's numerator).
 
-    The fields are converted into a reused buffer and used twice there: several times faster
-    for float32 fields on CPU than mixed-dtype reductions, and one pass over the batch for both.
+    The fields are converted into a reused buffer and used twice there (the total only when the
+    conversion is exact, i.e. widens floating-point fields; narrowed fields are added as given, so
+    that each addition rounds once): several times faster for float32 fields on CPU than
+    mixed-dtype reductions, and one pass over the batch for both.
     """
     total = torch.zeros(x.shape[1:], dtype=dtype, device=x.device)
     if x.dtype == dtype or x.numel() == 0:
@@ -99,11 +101,12 @@ def field_sums(x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     step = max(1, min(x.shape[0], SUB_BYTES // (dtype.itemsize * x.shape[1] * x.shape[2])))
     buf = torch.empty((step, *x.shape[1:]), dtype=dtype, device=x.device)
     out = torch.empty(x.shape[:2], dtype=dtype, device=x.device)
+    widening = x.is_floating_point() and x.dtype.itemsize < dtype.itemsize
     for start in range(0, x.shape[0], step):
         stop = min(x.shape[0], start + step)
         part = buf[:stop - start].copy_(x[start:stop])
         torch.sum(part, dim=-1, out=out[start:stop])
-        for field in part:
+        for field in part if widening else x[start:stop]:
             total += field
     return out, total
 

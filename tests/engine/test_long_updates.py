@@ -109,3 +109,15 @@ def test_lower_row_blocks_cover_the_lower_triangle(seq_len):
     if seq_len >= BLOCKS_FROM:  # and skip most of the upper one
         assert covered.sum() < 0.6 * seq_len * seq_len
     assert lower_row_blocks(seq_len, causal=False) == [(0, seq_len)]
+
+
+def test_float32_state_of_float64_fields_rounds_each_addition_once():
+    # PODConfig(dtype=float32) with float64 fields: the batch mean adds each field as given (one
+    # rounding to float32 per addition), not a float32 copy of it (two roundings)
+    fields = random_causal_fields(5, 16, seed=4)
+    acc = PODAccumulator(PODConfig(dtype=torch.float32))
+    acc.update(fields)
+    total = np.zeros((16, 16), dtype=np.float32)
+    for f in fields.numpy():
+        total = (total.astype(np.float64) + f).astype(np.float32)
+    np.testing.assert_array_equal(acc.mean_field.numpy(), total / np.float32(5))
