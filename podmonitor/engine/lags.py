@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import cached_property, lru_cache
+from functools import lru_cache
 
 import torch
 from torch import Tensor
@@ -333,39 +333,6 @@ class LagBand:
         """(B, L, L) fields -> (B, P) band entries."""
         flat = fields.reshape(fields.shape[0], -1)
         return flat[:, self.flat_index.to(fields.device)]
-
-    @cached_property
-    def _row_major(self) -> dict[torch.device, tuple[Tensor, Tensor]]:
-        return {}
-
-    def row_major_order(self, device: torch.device) -> tuple[Tensor, Tensor]:
-        """(P,) the flat indices in increasing (row-major) order, and (P,) where each band entry
-        lies in that order (int64, on ``device``; computed once per device)."""
-        device = torch.device(device)
-        if device not in self._row_major:
-            ordered, order = torch.sort(self.flat_index)
-            where = torch.empty_like(order)
-            where[order] = torch.arange(order.numel())
-            self._row_major[device] = (ordered.to(device), where.to(device))
-        return self._row_major[device]
-
-    def extract_into(self, flat: Tensor, out: Tensor, staging: Tensor) -> Tensor:
-        """Band entries of (b, L * L) flattened fields into ``out`` (b, P), by way of ``staging``
-        (at least b rows of P, the dtype of ``flat``); returns ``out``.
-
-        The same values as :meth:`extract`, about twice as fast on CPU for long fields: one gather
-        reads the entries in memory order (contiguous runs of each row), a second one puts them in
-        lag order from the small staging copy. (Read in lag order, consecutive entries of a
-        diagonal lie a row apart, each on its own cache line and page.)
-        """
-        ordered, where = self.row_major_order(flat.device)
-        n = flat.shape[0]
-        ordered = ordered.unsqueeze(0).expand(n, -1)
-        where = where.unsqueeze(0).expand(n, -1)
-        rows = torch.gather(flat, 1, ordered, out=staging[:n])
-        if out.dtype == rows.dtype:
-            return torch.gather(rows, 1, where, out=out)
-        return out.copy_(torch.gather(rows, 1, where))
 
     def to_dense(self, band: Tensor) -> Tensor:
         """(B, P') band entries (any prefix P' <= P) -> (B, L, L) fields, zero off the band."""

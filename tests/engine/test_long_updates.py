@@ -1,7 +1,6 @@
 """The update's passes over long causal fields (from L = BLOCKS_FROM on they read row blocks of the
-lower triangle, form float32 products in a staging buffer and gather the lag band in two steps)
-against literal numpy references: the lag moment, the mean field, the stored band entries and the
-row entropies."""
+lower triangle and form float32 products in a staging buffer) against literal numpy references:
+the lag moment, the mean field, the stored band entries and the row entropies."""
 
 from __future__ import annotations
 
@@ -12,7 +11,7 @@ import pytest
 import torch
 
 from podmonitor import PODAccumulator, PODConfig
-from podmonitor.engine.lags import BLOCKS_FROM, LagBand, lower_row_blocks
+from podmonitor.engine.lags import BLOCKS_FROM, lower_row_blocks
 from tests.conftest import random_causal_fields
 
 U32 = 2.0**-24
@@ -80,24 +79,6 @@ def test_long_causal_fields_give_the_literal_moment_mean_band_and_entropy(dtype)
     stored = torch.cat(acc.chunks).numpy()
     np.testing.assert_array_equal(stored, _band(a, acc.band.n_lags))
     np.testing.assert_allclose(acc.entropy_sum.numpy(), _entropy_sums(a), rtol=1e-12, atol=1e-12)
-
-
-@pytest.mark.parametrize("causal", [True, False])
-def test_two_step_band_gather_equals_the_direct_one(causal):
-    seq_len, n_lags = 40, 9
-    band = LagBand.build(seq_len, n_lags, causal)
-    g = torch.Generator().manual_seed(2)
-    fields = torch.rand(3, seq_len, seq_len, generator=g, dtype=torch.float64)
-    flat = fields.reshape(3, -1)
-    staging = torch.empty(4, band.size, dtype=torch.float64)
-    out = torch.empty(3, band.size, dtype=torch.float64)
-    direct = flat[:, band.flat_index]
-    assert torch.equal(band.extract_into(flat, out, staging), direct)
-    # into another dtype: the values of the direct gather, converted
-    out32 = torch.empty(3, band.size, dtype=torch.float32)
-    assert torch.equal(band.extract_into(flat, out32, staging), direct.float())
-    # entries by lag: lag 1 starts after the L diagonal entries
-    assert float(out[0, seq_len]) == float(fields[0, 1, 0])
 
 
 @pytest.mark.parametrize("seq_len", [8, BLOCKS_FROM, BLOCKS_FROM + 37])
