@@ -17,18 +17,12 @@ also printed scaled to 12 layers and N = 150, the shape of ``bench_validation_ru
 from __future__ import annotations
 
 import argparse
-import math
-import time
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
-
-def best_of(repeats: int, fn: Callable[[], object]) -> float:
-    best = math.inf
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_engine_parts import best_of  # noqa: E402  (the scripts' shared best-of timer)
 
 
 def main(argv: list[str] | None = None) -> None:

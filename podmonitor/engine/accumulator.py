@@ -341,8 +341,7 @@ class PODAccumulator:
         buffers allocated once per call: the input is converted to ``config.dtype`` and moved to
         the state's device one step at a time, never as a whole, and each step's temporaries stay
         in cache. Per step: the running quantities' steps and the band entries read the converted
-        fields (the band entries of narrower fields are read from the input itself, which converts
-        to the same values), then the fields are centred in place and rounded once into the
+        fields, then the fields are centred (in place when converted) and rounded once into the
         products' workspace. Chan et al.'s between-group term ``n_a n_b / n`` times the lag moment
         of ``delta`` (the batch mean less the state's) enters the first step's products as one
         more field, ``sqrt(n_a n_b / n) delta``. The running state changes only at the end (a
