@@ -374,7 +374,7 @@ class PODAccumulator:
         centred = convert if convert is not None or md == dt else torch.empty_like(work)
         tol = normalisation_tol(x.dtype)
         # the batch's lag-band entries, handed to the store in parts of the size it asks for
-        rows_per_feed, rows_dtype = self.store.feed(n_b, step)
+        rows_per_feed, rows_dtype = self.store.feed(n_b, step, x.dtype)
         # (zeroed first: writing fresh pages inside the multi-threaded gather is several times slower)
         rows_buf = torch.zeros(rows_per_feed, self.band.size, dtype=rows_dtype, device=dev)
         index = self.band.flat_index.to(dev).unsqueeze(0)

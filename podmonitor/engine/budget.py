@@ -9,7 +9,9 @@ that ``compute`` builds from it (the part of compute that grows with N):
   the sketch's Gram matrices;
 
 with F the running tensors (:func:`~podmonitor.engine.running.fixed_state_bytes`), P the lag-band
-entries of a field, c and s the bytes of ``dtype`` and ``storage_dtype``, l the sketch rank.
+entries of a field, c and s the bytes of ``dtype`` and ``storage_dtype``, l the sketch rank. With
+``storage_dtype`` unset, s = c: an upper bound for float32 or narrower fields, which the exact
+store keeps as given (:func:`~podmonitor.engine.store.stored_dtype`).
 :func:`estimate_memory` also lists compute's other, bounded temporaries.
 """
 

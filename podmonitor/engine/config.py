@@ -48,7 +48,9 @@ class PODConfig:
             from the first batch (causal when nothing lies above the diagonal).
         dtype: accumulation and analysis dtype (float64 default; float32 halves memory and
             time at ~1e-6 relative accuracy).
-        storage_dtype: dtype of the stored snapshots (None: same as ``dtype``).
+        storage_dtype: dtype of the stored snapshots (None: ``dtype``, except that float32,
+            float16 and bfloat16 fields are stored as given, which is exact; see
+            :func:`podmonitor.engine.store.stored_dtype`).
         moment_dtype: dtype of the lag-moment products, the heaviest part of an update (each
             step's product is then added to the running moment in ``dtype``). None (default): float32
             for fields that arrive in float32 or a lower precision (what a capture hands over:

@@ -59,6 +59,23 @@ class Eigenpairs:
     coefficients: Tensor | None = None
 
 
+def stored_dtype(config: PODConfig, input_dtype: torch.dtype) -> torch.dtype:
+    """The dtype an exact store keeps a batch's band entries in.
+
+    ``config.storage_dtype`` when set; else floating-point fields narrower than ``config.dtype``
+    (float32, float16, bfloat16 captures) are kept in their own dtype, which holds them exactly
+    (the analysis widens them to ``config.dtype`` first, so every number is the same as with
+    ``config.dtype`` storage, in half the memory or less); other fields in ``config.dtype``. The
+    memory planner (:mod:`podmonitor.engine.budget`) counts ``config.dtype`` bytes for them, an
+    upper bound.
+    """
+    if config.storage_dtype is not None:
+        return config.storage_dtype
+    if input_dtype.is_floating_point and input_dtype.itemsize < config.dtype.itemsize:
+        return input_dtype
+    return config.dtype
+
+
 class SnapshotStore(ABC):
     """The snapshots of one layer, in lag-band form (see :class:`~podmonitor.engine.lags.LagBand`).
 
@@ -84,9 +101,9 @@ class SnapshotStore(ABC):
         """Snapshots held."""
 
     @abstractmethod
-    def feed(self, n_batch: int, step: int) -> tuple[int, torch.dtype]:
-        """How a batch of ``n_batch`` fields, converted ``step`` fields at a time, is handed over:
-        (rows per :meth:`add`, dtype of the rows)."""
+    def feed(self, n_batch: int, step: int, input_dtype: torch.dtype) -> tuple[int, torch.dtype]:
+        """How a batch of ``n_batch`` fields of ``input_dtype``, converted ``step`` fields at a
+        time, is handed over: (rows per :meth:`add`, dtype of the rows)."""
 
     @abstractmethod
     def add(self, rows: Tensor) -> None:
@@ -136,7 +153,7 @@ class SnapshotStore(ABC):
 
 
 class ExactStore(SnapshotStore):
-    """Every snapshot, as a list of (n_c, P) chunks in ``storage_dtype`` (one per batch)."""
+    """Every snapshot, as a list of (n_c, P) chunks (one per batch) in :func:`stored_dtype`."""
 
     mode = "exact"
     keeps_snapshots = True
@@ -149,8 +166,8 @@ class ExactStore(SnapshotStore):
     def n(self) -> int:
         return sum(int(c.shape[0]) for c in self.chunks)
 
-    def feed(self, n_batch: int, step: int) -> tuple[int, torch.dtype]:
-        return n_batch, self.config.resolved_storage_dtype  # the whole batch, in one piece
+    def feed(self, n_batch: int, step: int, input_dtype: torch.dtype) -> tuple[int, torch.dtype]:
+        return n_batch, stored_dtype(self.config, input_dtype)  # the whole batch, in one piece
 
     def add(self, rows: Tensor) -> None:
         self.chunks.append(rows)
@@ -223,7 +240,7 @@ class SketchStore(SnapshotStore):
     def n(self) -> int:
         return self.sketch.n
 
-    def feed(self, n_batch: int, step: int) -> tuple[int, torch.dtype]:
+    def feed(self, n_batch: int, step: int, input_dtype: torch.dtype) -> tuple[int, torch.dtype]:
         row_bytes = self.band.size * self.config.dtype.itemsize
         return min(n_batch, max(step, SKETCH_FEED_BYTES // row_bytes)), self.config.dtype
 

@@ -118,3 +118,40 @@ def test_every_running_quantity_is_saved_merged_and_reset_from_the_table():
     assert all(getattr(merged, r.name) == r.initial() for r in RUNNING if r.kind != "tensor")
     assert all(getattr(merged, r.name) is None for r in RUNNING if r.kind == "tensor")
     assert merged.nbytes() == 0
+
+
+def _same_report(a, b) -> None:
+    """Every number of two reports equal (not merely close)."""
+    assert a.dominant_scales == b.dominant_scales and a.t_spec == b.t_spec and a.entropy == b.entropy
+    assert torch.equal(a.scalogram, b.scalogram)
+    for sa, sb in zip(a.per_scale, b.per_scale, strict=True):
+        assert torch.equal(sa.eigenvalues, sb.eigenvalues) and sa.t_spec == sb.t_spec
+        assert sa.effective_rank == sb.effective_rank and torch.equal(sa.modes, sb.modes)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_narrow_fields_are_stored_as_given_in_less_memory_with_the_same_numbers(dtype):
+    fields = random_causal_fields(24, 40, seed=13).to(dtype)
+    default = PODAccumulator(PODConfig(n_modes=4))  # storage_dtype None: narrow fields kept as given
+    wide = PODAccumulator(PODConfig(n_modes=4, storage_dtype=torch.float64))  # as before
+    for acc in (default, wide):
+        acc.update(fields[:10])
+        acc.update(fields[10:])
+    # the stored entries are the input's own values, in its dtype: a literal numpy gather of the band
+    band = default.band
+    literal = fields.double().numpy()[:, band.rows.numpy(), band.cols.numpy()]
+    assert all(c.dtype == dtype for c in default.chunks)
+    np.testing.assert_array_equal(torch.cat(default.chunks).double().numpy(), literal)
+    np.testing.assert_array_equal(torch.cat(wide.chunks).numpy(), literal)
+    assert default.store.nbytes() * (8 // dtype.itemsize) == wide.store.nbytes()
+    _same_report(default.compute(), wide.compute())
+    # a checkpoint keeps the dtype, and an accumulator fed float64 fields merges with it
+    restored = PODAccumulator(PODConfig(n_modes=4))
+    restored.load_state_dict(default.state_dict())
+    assert restored.chunks[0].dtype == dtype
+    more = random_causal_fields(6, 40, seed=14)
+    other_default = PODAccumulator(PODConfig(n_modes=4))
+    other_wide = PODAccumulator(PODConfig(n_modes=4, storage_dtype=torch.float64))
+    other_default.update(more)
+    other_wide.update(more)
+    _same_report(restored.merge(other_default).compute(), wide.merge(other_wide).compute())
