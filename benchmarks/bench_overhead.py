@@ -12,6 +12,12 @@ default ``PODMonitor()`` (N = 150 snapshots, TensorBoard logger), each fit in it
 alternating the order over ``--repeats`` pairs (default 3), and prints the ratio of the median
 wall times of ``trainer.fit`` and the monitor's own cost split (capture, accumulate, compute,
 logging) summed over its validation runs. Target: ratio <= 1.02.
+
+With ``--profile`` both sides run under Lightning's ``SimpleProfiler`` and it also prints, per side
+(medians over the pairs), where the fit's time went: the training steps (forward, backward and
+optimizer, timed by Lightning's ``optimizer_step``), the validation steps, and each ``PODMonitor``
+hook. A background job (pictures, sinks) shows as slower training steps while it runs and as
+time in ``teardown``, which waits for the last one.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 TARGET = 1.02
 
@@ -71,6 +78,7 @@ def child(args: argparse.Namespace) -> None:
     import lightning as L
     import torch
     from lightning.pytorch.loggers import TensorBoardLogger
+    from lightning.pytorch.profilers import SimpleProfiler
 
     from podmonitor import PODMonitor
     from podmonitor.data import CharDataModule
@@ -87,9 +95,11 @@ def child(args: argparse.Namespace) -> None:
     else:
         model = EncoderLM(vocab=65, block=args.block_size)
     callbacks = [PODMonitor(**json.loads(args.monitor_args))] if args.side == "monitor" else []
+    profiler = SimpleProfiler(dirpath=args.tmp, filename="profile") if args.profile else None
     trainer = L.Trainer(max_epochs=args.epochs, accelerator=args.device, devices=1, logger=TensorBoardLogger(args.tmp),
                         callbacks=callbacks, enable_progress_bar=False, enable_model_summary=False,
-                        enable_checkpointing=False, num_sanity_val_steps=0, gradient_clip_val=1.0)
+                        enable_checkpointing=False, num_sanity_val_steps=0, gradient_clip_val=1.0,
+                        profiler=profiler)
     t0 = time.perf_counter()
     trainer.fit(model, dm)
     wall = time.perf_counter() - t0
@@ -99,7 +109,25 @@ def child(args: argparse.Namespace) -> None:
             for k, v in entry.get("timings", {}).items():
                 split[k] = split.get(k, 0.0) + float(v)
     print(json.dumps({"wall": wall, "split": split, "val_loss": float(trainer.callback_metrics["val_loss"]),
-                      "validations": len(callbacks[0].history) if callbacks else 0}))
+                      "validations": len(callbacks[0].history) if callbacks else 0,
+                      "profile": profile_parts(profiler) if profiler is not None else {}}))
+
+
+def profile_parts(profiler: Any) -> dict[str, float]:
+    """Seconds per part of the fit from a ``SimpleProfiler``: the training and validation steps, and
+    each PODMonitor hook (summed over its calls)."""
+    parts: dict[str, float] = {}
+    for action, durations in profiler.recorded_durations.items():
+        if action.endswith(".optimizer_step") and action.startswith("[LightningModule]"):
+            key = "training steps (forward, backward, optimizer)"
+        elif action.endswith(".validation_step") and action.startswith("[Strategy]"):
+            key = "validation steps"
+        elif action.startswith("[Callback]PODMonitor"):
+            key = "PODMonitor." + action.rsplit(".", 1)[-1]
+        else:
+            continue
+        parts[key] = parts.get(key, 0.0) + float(sum(durations))
+    return parts
 
 
 def main() -> None:
@@ -116,6 +144,8 @@ def main() -> None:
     p.add_argument("--monitor-args", default="{}",
                    help='PODMonitor keyword arguments as JSON, to attribute the cost (default: none, the '
                         'defaults users get), e.g. \'{"log_images": false}\'')
+    p.add_argument("--profile", action="store_true",
+                   help="run both sides under Lightning's SimpleProfiler and print where the time went")
     p.add_argument("--side", choices=["plain", "monitor"], help=argparse.SUPPRESS)
     p.add_argument("--tmp", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -123,6 +153,7 @@ def main() -> None:
         child(args)
         return
     walls: dict[str, list[float]] = {"plain": [], "monitor": []}
+    profiles: dict[str, list[dict[str, float]]] = {"plain": [], "monitor": []}
     split: dict[str, float] = {}
     n_val = 0
     for r in range(args.repeats):
@@ -133,10 +164,11 @@ def main() -> None:
                        "--epochs", str(args.epochs), "--steps", str(args.steps), "--batch-size", str(args.batch_size),
                        "--block-size", str(args.block_size), "--val-windows", str(args.val_windows),
                        "--threads", str(args.threads), "--model", args.model, "--device", args.device,
-                       "--monitor-args", args.monitor_args]
+                       "--monitor-args", args.monitor_args] + (["--profile"] if args.profile else [])
                 out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
                 res = json.loads(out.strip().splitlines()[-1])
                 walls[side].append(res["wall"])
+                profiles[side].append(res.get("profile", {}))
                 print(f"[{side:7}] fit {res['wall']:.1f} s, val_loss {res['val_loss']:.3f}", flush=True)
                 if side == "monitor":
                     split = res["split"]
@@ -155,7 +187,17 @@ def main() -> None:
         total = sum(split.values())
         print("monitor cost split over its validation runs: "
               + ", ".join(f"{k.removesuffix('_s')} {v:.2f} s" for k, v in split.items()) + f" (total {total:.2f} s)")
-
+    if args.profile:
+        keys = sorted({k for side in profiles.values() for prof in side for k in prof},
+                      key=lambda k: (not k.startswith("training"), not k.startswith("validation"), k))
+        print(f"\nwhere the fit's time went (SimpleProfiler, medians over {args.repeats} fit(s) per side, s)")
+        print(f"{'part':<50} {'without':>9} {'with':>9}")
+        for key in keys:
+            row = [statistics.median(prof.get(key, 0.0) for prof in profiles[side]) if profiles[side] else 0.0
+                   for side in ("plain", "monitor")]
+            if max(row) < 0.005:  # (hooks that cost nothing)
+                continue
+            print(f"{key:<50} {row[0]:>9.2f} {row[1]:>9.2f}")
 
 if __name__ == "__main__":
     main()
