@@ -97,7 +97,12 @@ class PODMonitor(MonitorCallback):
             :class:`~podmonitor.pruning.AdviceSettings` (default ``AdviceSettings()``; per_head only).
         readiness: the readiness tracker, a :class:`~podmonitor.pruning.AdviceReadiness` (default
             ``AdviceReadiness(eps=advice.eps)``; per_head only).
-        log_images: log pictures.
+        log_images: log pictures: True (all), False (none), or the names of the pictures to draw,
+            from :data:`~podmonitor.reporting.figures.PICTURES`: ``"scale_organisation"``, the
+            per-layer ``"scalogram"``, ``"mean_scalogram"``, ``"spectrum"``, ``"modes"`` and
+            ``"coherency"``, and ``"trend"`` (the layers x validation-steps heatmaps). Pictures are
+            the largest part of the monitor's cost on a CPU, so fewer of them cost less; the
+            coherency map is only computed when it is drawn.
         images_every_n: pictures on every n-th monitored run, the first one included (default 2:
             drawing about five pictures per layer costs more than the analysis itself; set 1 for
             pictures on every monitored run).
@@ -134,7 +139,7 @@ class PODMonitor(MonitorCallback):
         config: PODConfig | None = None,
         capture: str | Callable[..., Any] | CaptureAdapter = "auto",
         per_head: bool = False,
-        log_images: bool = True,
+        log_images: bool | Sequence[str] = True,
         images_every_n: int = 2,
         output_dir: str | None = None,
         prefix: str = "pod",
@@ -149,6 +154,7 @@ class PODMonitor(MonitorCallback):
             raise ValueError(f"n_snapshots must be an int >= 3, got {n_snapshots!r}")
         if not isinstance(every_n_validations, int) or every_n_validations < 1:
             raise ValueError(f"every_n_validations must be an int >= 1, got {every_n_validations!r}")
+        pictures = _picture_names(log_images)
         if not isinstance(images_every_n, int) or images_every_n < 1:
             raise ValueError(f"images_every_n must be an int >= 1, got {images_every_n!r}")
         if not isinstance(dataloader_idx, int) or isinstance(dataloader_idx, bool) or dataloader_idx < 0:
@@ -172,7 +178,8 @@ class PODMonitor(MonitorCallback):
         self.config = config or PODConfig()
         self.capture = capture
         self.per_head = per_head
-        self.log_images = log_images
+        self.pictures = pictures  # the pictures a picture run draws (None: all; empty: none)
+        self.log_images = pictures is None or bool(pictures)
         self.images_every_n = images_every_n
         self.output_dir = output_dir
         self.prefix = prefix
@@ -466,7 +473,9 @@ class PODMonitor(MonitorCallback):
             config = self.config
             if captured.causal is not None and config.causal is None:
                 config = _replace(config, causal=captured.causal)
-            if config.coherency and (not self._picture_run or captured.seq_len > self.coherency_max_len):
+            draws_map = self.pictures is None or "coherency" in self.pictures
+            if config.coherency and (not (self._picture_run and draws_map)
+                                     or captured.seq_len > self.coherency_max_len):
                 # METHOD.md section 6: a picture, by far the costliest part at long contexts
                 config = _replace(config, coherency=False)
             elif config.coherency and config.coherency_scale is None:
@@ -761,11 +770,13 @@ class PODMonitor(MonitorCallback):
                 self._run_errors.extend(result.notes)
 
     def _get_publisher(self) -> Any:
+        from .reporting.figures import PICTURES
         from .reporting.publish import Publisher
 
         if self._publisher is None:
             self._publisher = Publisher(self.run_dir(), self.prefix, run_id=self.run_id,
-                                        warning=PODMonitorWarning, strict=self.strict)
+                                        warning=PODMonitorWarning, strict=self.strict,
+                                        pictures=PICTURES if self.pictures is None else self.pictures)
         return self._publisher
 
     def _report(self, trainer: Trainer, reports: dict[str, PODReport]) -> None:
@@ -883,6 +894,22 @@ def _head_average(fields: torch.Tensor, active: Sequence[bool] | None) -> torch.
         return fields.mean(dim=1)
     keep = torch.tensor([i for i, a in enumerate(active) if a], device=fields.device)
     return fields.index_select(1, keep).mean(dim=1)
+
+
+def _picture_names(log_images: bool | Sequence[str]) -> tuple[str, ...] | None:
+    """The pictures ``log_images`` asks for: None for all (True), none for False, else the names
+    given, checked against :data:`~podmonitor.reporting.figures.PICTURES`."""
+    if isinstance(log_images, bool):
+        return None if log_images else ()
+    if isinstance(log_images, str) or not isinstance(log_images, Sequence | set | frozenset):
+        raise ValueError(f"log_images must be True, False or a list of picture names, got {log_images!r}")
+    from .reporting.figures import PICTURES  # (matplotlib: only when pictures are chosen by name)
+
+    names = tuple(dict.fromkeys(log_images))
+    unknown = [n for n in names if n not in PICTURES]
+    if unknown:
+        raise ValueError(f"log_images: unknown picture(s) {unknown}; choose from {list(PICTURES)}")
+    return names
 
 
 def _replace(config: PODConfig, **changes: Any) -> PODConfig:

@@ -194,6 +194,10 @@ def test_invalid_arguments_are_rejected_at_construction():
         PODMonitor(every_n_validations=0)
     with pytest.raises(ValueError, match="config"):
         PODMonitor(config={"n_dominant": 2})
+    with pytest.raises(ValueError, match=r"unknown picture\(s\) \['scalograms'\]; choose from"):
+        PODMonitor(log_images=["scalogram", "scalograms"])
+    with pytest.raises(ValueError, match="log_images must be"):
+        PODMonitor(log_images="scalogram")  # a string is not a list of names
 
 
 def test_model_without_attention_warns_once_and_trains(tmp_path):
@@ -289,6 +293,34 @@ def test_coherency_only_on_picture_runs_at_one_scale_and_last_run_pictured(tmp_p
     assert [e.step for e in acc.Images("pod/scale_organisation")] == [8, 16]  # the last run too
     assert [e.step for e in acc.Images("pod/trend/t_spec")] == [8, 16]
     assert [e.step for e in acc.Images("pod/coherency/layer_00")] == [8]
+
+
+def test_chosen_pictures_are_the_only_ones_logged_and_the_map_is_computed_only_when_drawn(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    chosen = ("scalogram", "trend")
+    monitor = PODMonitor(n_snapshots=8, log_images=list(chosen))
+    logger = TensorBoardLogger(str(tmp_path), name="tb")
+    L.seed_everything(0, verbose=False)
+    make_trainer(tmp_path, monitor, logger=logger, max_epochs=2).fit(TinyGPT())
+    acc = EventAccumulator(logger.log_dir, size_guidance={"images": 0})
+    acc.Reload()
+    images = set(acc.Tags()["images"])
+    layers = ("layer_00", "layer_01")
+    # the first run and the last one (at fit end) draw exactly the chosen pictures
+    assert {f"pod/scalogram/{n}" for n in layers} <= images
+    assert {t for t in images if t.startswith("pod/trend/")}, images
+    assert all(t.startswith(("pod/scalogram/", "pod/trend/")) for t in images), images
+    assert [e.step for e in acc.Images("pod/scalogram/layer_00")] == [8, 16]
+    # the coherency map is not drawn, so not computed on the picture run either
+    records = read_jsonl(os.path.join(logger.log_dir, "podmonitor", "podmonitor.jsonl"))
+    assert all(layer["coherency_scale"] is None for r in records for layer in r["layers"].values())
+    # the numbers do not depend on the pictures: the same T_spec as with every picture
+    full = PODMonitor(n_snapshots=8, log_images=True)
+    L.seed_everything(0, verbose=False)
+    make_trainer(tmp_path / "full", full, max_epochs=2).fit(TinyGPT())
+    assert [h["layers"]["layer_00"]["t_spec"] for h in monitor.history] == \
+        [h["layers"]["layer_00"]["t_spec"] for h in full.history]
 
 
 def test_reference_scale_is_fixed_at_the_first_run_and_its_values_match_analyze(tmp_path):

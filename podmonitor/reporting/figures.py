@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import sys
 import textwrap
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -35,6 +35,8 @@ from matplotlib.ticker import LogFormatter, LogFormatterMathtext, LogLocator, Nu
 from ..engine.report import PODReport, ScaleReport
 
 __all__ = [
+    "LAYER_PICTURES",
+    "PICTURES",
     "coherency_figure",
     "figure_to_array",
     "head_allocation_figure",
@@ -51,6 +53,13 @@ Which = Literal["fluctuation", "mean"]
 
 #: Dynamic range of the logarithmic colour scale of the scalogram images.
 SCALOGRAM_DYNAMIC_RANGE = 1e4
+
+#: The pictures drawn for each layer (tags ``<prefix>/<picture>/<layer>``).
+LAYER_PICTURES = ("scalogram", "mean_scalogram", "spectrum", "modes", "coherency")
+
+#: Every picture of a monitored run: the scale organisation over depth, each layer's pictures, and
+#: the layers x validation-steps heatmaps of the headline trends (tags ``<prefix>/trend/<metric>``).
+PICTURES = ("scale_organisation", *LAYER_PICTURES, "trend")
 
 
 # --------------------------------------------------------------------------------------------
@@ -633,7 +642,7 @@ def figure_to_array(fig: Figure) -> np.ndarray:
 
 
 def layer_images(report: PODReport, layer_name: str, *, prefix: str = "pod",
-                 which: Sequence[str] = ("scalogram", "mean_scalogram", "spectrum", "modes", "coherency"),
+                 which: Sequence[str] = LAYER_PICTURES,
                  n_modes: int = 4) -> dict[str, np.ndarray]:
     """All figures of one layer rendered for :meth:`ReportSink.log_images`.
 
@@ -644,7 +653,7 @@ def layer_images(report: PODReport, layer_name: str, *, prefix: str = "pod",
     Returns:
         tag -> (H, W, 3) uint8 array.
     """
-    known = {"scalogram", "mean_scalogram", "spectrum", "modes", "coherency"}
+    known = set(LAYER_PICTURES)
     unknown = set(which) - known
     if unknown:
         raise ValueError(f"unknown figure(s) {sorted(unknown)}; choose from {sorted(known)}")
@@ -667,8 +676,9 @@ def layer_images(report: PODReport, layer_name: str, *, prefix: str = "pod",
 
 def draw_run_pictures(prefix: str, reports: Mapping[str, PODReport], present: Sequence[str],
                       trend: Mapping[str, tuple[str, Mapping[str, Sequence[float]]]] | None = None,
-                      steps: Sequence[int] = (), units: Mapping[str, str] | None = None) -> dict[str, np.ndarray]:
-    """Every picture of one monitored run, rendered: the scale organisation over depth, each layer's
+                      steps: Sequence[int] = (), units: Mapping[str, str] | None = None,
+                      which: Collection[str] = PICTURES) -> dict[str, np.ndarray]:
+    """The pictures of one monitored run, rendered: the scale organisation over depth, each layer's
     :func:`layer_images`, and one layers x validation-steps heatmap per headline trend.
 
     Args:
@@ -679,19 +689,28 @@ def draw_run_pictures(prefix: str, reports: Mapping[str, PODReport], present: Se
             no heatmap row.
         steps: the validation steps of the trend.
         units: metric key -> unit, for the heatmaps' colour bars.
+        which: the pictures to draw, names from :data:`PICTURES` (default all).
 
     Returns:
         tag -> (H, W, 3) uint8 array.
+
+    Raises:
+        ValueError: an unknown name in ``which``.
     """
+    unknown = set(which) - set(PICTURES)
+    if unknown:
+        raise ValueError(f"unknown picture(s) {sorted(unknown)}; choose from {list(PICTURES)}")
     layer_reports = [reports[n] for n in present]
     pictures: dict[str, np.ndarray] = {}
     if not layer_reports:
         return pictures
-    pictures[f"{prefix}/scale_organisation"] = figure_to_array(scale_organisation_figure(layer_reports, present))
-    for name in present:
-        pictures.update(layer_images(reports[name], name, prefix=prefix))
+    if "scale_organisation" in which:
+        pictures[f"{prefix}/scale_organisation"] = figure_to_array(scale_organisation_figure(layer_reports, present))
+    per_layer = [k for k in LAYER_PICTURES if k in which]
+    for name in present if per_layer else ():
+        pictures.update(layer_images(reports[name], name, prefix=prefix, which=per_layer))
     layers = [n for n in present if "/" not in n]
-    for key, (title, series) in (trend or {}).items():
+    for key, (title, series) in (trend or {}).items() if "trend" in which else ():
         grid = np.array([list(series.get(n, [math.nan] * len(steps))) for n in layers], dtype=float)
         fig = trend_heatmap_figure(title, steps, layers, grid, unit=(units or {}).get(key, ""))
         pictures[f"{prefix}/trend/{key}"] = figure_to_array(fig)

@@ -17,7 +17,7 @@ from typing import Any
 from ..engine.report import PODReport
 from ..extras import ExtraResult
 from .delivery import Outputs
-from .figures import draw_run_pictures
+from .figures import PICTURES, draw_run_pictures
 from .metrics import RUN_METRICS, LogPolicy, glossary_markdown, glossary_rows, registry
 from .scalars import layer_scalars, metric_tags, summary_markdown, summary_table
 from .sinks import read_json_lines, strict_jsonable
@@ -64,11 +64,15 @@ class Publisher:
         strict: re-raise a sink's failure instead of warning (outputs then run inline).
         background: write pictures and sinks on a background worker, so the validation loop does
             not wait for matplotlib or disk (:meth:`flush` waits for them).
+        pictures: the pictures a picture run draws, names from
+            :data:`~podmonitor.reporting.figures.PICTURES` (default all).
     """
 
     def __init__(self, out_dir: str, prefix: str = "pod", *, run_id: str | None = None,
-                 warning: type[Warning] = UserWarning, strict: bool = False, background: bool = True) -> None:
+                 warning: type[Warning] = UserWarning, strict: bool = False, background: bool = True,
+                 pictures: Sequence[str] = PICTURES) -> None:
         self.out_dir = out_dir
+        self.pictures = tuple(pictures)
         self.prefix = prefix
         self.run_id = run_id
         # pictures and sinks run on a worker thread (the JSON-lines record is written at once);
@@ -255,7 +259,7 @@ class Publisher:
         (copies of the headline series, see :meth:`_trend`) adds the layers x steps heatmaps."""
         units = {m.key: m.unit for m in registry()}
         try:
-            return draw_run_pictures(self.prefix, reports, present, trend, steps, units)
+            return draw_run_pictures(self.prefix, reports, present, trend, steps, units, which=self.pictures)
         except Exception as err:  # noqa: BLE001 - a picture never costs the numbers
             self.outputs._failed("the pictures", "drawing", err, failures)
             return {}

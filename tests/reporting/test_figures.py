@@ -10,7 +10,9 @@ import pytest
 from matplotlib.figure import Figure
 
 from podmonitor.reporting.figures import (
+    PICTURES,
     coherency_figure,
+    draw_run_pictures,
     figure_to_array,
     layer_images,
     modes_figure,
@@ -217,3 +219,20 @@ def test_trend_heatmap_cells_are_the_values(real_reports):
     shown = fig.axes[0].images[0].get_array()
     np.testing.assert_array_equal(np.ma.filled(shown, -1.0), [[1.0, 2.0, -1.0], [3.0, 4.0, 5.0]])
     assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == ["layer_00", "layer_01"]
+
+
+def test_run_pictures_are_exactly_the_ones_asked_for(real_reports):
+    reports = {"layer_00": real_reports[0], "layer_01": real_reports[1]}
+    trend = {"t_spec": ("T_spec", {"layer_00": [0.5, 0.6], "layer_01": [0.7, 0.8]})}
+    every = draw_run_pictures("pod", reports, list(reports), trend, [8, 16])
+    expected = {"pod/scale_organisation", "pod/trend/t_spec"} | {
+        f"pod/{kind}/{layer}" for kind in ("scalogram", "mean_scalogram", "spectrum", "modes") for layer in reports}
+    assert expected <= set(every) and set(every) - expected <= {f"pod/coherency/{n}" for n in reports}
+    some = draw_run_pictures("pod", reports, list(reports), trend, [8, 16], which=("spectrum", "trend"))
+    assert set(some) == {"pod/spectrum/layer_00", "pod/spectrum/layer_01", "pod/trend/t_spec"}
+    assert all(np.array_equal(some[t], every[t]) for t in some)  # the same pictures, fewer of them
+    assert draw_run_pictures("pod", reports, list(reports), trend, [8, 16], which=()) == {}
+    with pytest.raises(ValueError, match="unknown picture"):
+        draw_run_pictures("pod", reports, list(reports), which=("scalograms",))
+    assert set(PICTURES) == {"scale_organisation", "scalogram", "mean_scalogram", "spectrum", "modes",
+                             "coherency", "trend"}
