@@ -178,7 +178,7 @@ class LagShear:
         self.batch = batch
         # 2L - 1 columns hold the lags; one spare zero column plus one cache line of padding keeps
         # the rows aligned without a row stride of a multiple of 4 KiB, which maps a panel's rows
-        # onto the same cache sets (about 1.5x slower products at L = 256 in float64)
+        # onto the same cache sets (about 1.3x slower products at L = 256 in float64)
         self.width = 2 * seq_len + 64 // dtype.itemsize
         self.buf = torch.zeros(seq_len, batch, self.width, dtype=dtype, device=device)
         self.loaded = 0
