@@ -199,5 +199,6 @@ def main() -> None:
                 continue
             print(f"{key:<50} {row[0]:>9.2f} {row[1]:>9.2f}")
 
+
 if __name__ == "__main__":
     main()

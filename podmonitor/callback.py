@@ -100,9 +100,10 @@ class PODMonitor(MonitorCallback):
         log_images: log pictures: True (all), False (none), or the names of the pictures to draw,
             from :data:`~podmonitor.reporting.figures.PICTURES`: ``"scale_organisation"``, the
             per-layer ``"scalogram"``, ``"mean_scalogram"``, ``"spectrum"``, ``"modes"`` and
-            ``"coherency"``, and ``"trend"`` (the layers x validation-steps heatmaps). Pictures are
-            the largest part of the monitor's cost on a CPU, so fewer of them cost less; the
-            coherency map is only computed when it is drawn.
+            ``"coherency"``, and ``"trend"`` (the layers x validation-steps heatmaps), as a list,
+            tuple or set. Pictures are the largest part of the monitor's cost on a CPU, so fewer
+            of them cost less; the coherency map is only computed when it is drawn. The extras'
+            own pictures (the head allocation of ``per_head=True``) are drawn on every picture run.
         images_every_n: pictures on every n-th monitored run, the first one included (default 2:
             drawing about five pictures per layer costs more than the analysis itself; set 1 for
             pictures on every monitored run).
@@ -899,14 +900,14 @@ def _head_average(fields: torch.Tensor, active: Sequence[bool] | None) -> torch.
 def _picture_names(log_images: bool | Sequence[str]) -> tuple[str, ...] | None:
     """The pictures ``log_images`` asks for: None for all (True), none for False, else the names
     given, checked against :data:`~podmonitor.reporting.figures.PICTURES`."""
-    if isinstance(log_images, bool):
-        return None if log_images else ()
-    if isinstance(log_images, str) or not isinstance(log_images, Sequence | set | frozenset):
+    if isinstance(log_images, str):
         raise ValueError(f"log_images must be True, False or a list of picture names, got {log_images!r}")
+    if not isinstance(log_images, Sequence | set | frozenset):
+        return None if log_images else ()  # (a flag: True, False, None, numpy booleans)
     from .reporting.figures import PICTURES  # (matplotlib: only when pictures are chosen by name)
 
-    names = tuple(dict.fromkeys(log_images))
-    unknown = [n for n in names if n not in PICTURES]
+    names = tuple(dict.fromkeys(n for n in log_images if isinstance(n, str)))
+    unknown = [n for n in log_images if not isinstance(n, str) or n not in PICTURES]
     if unknown:
         raise ValueError(f"log_images: unknown picture(s) {unknown}; choose from {list(PICTURES)}")
     return names

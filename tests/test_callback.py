@@ -198,6 +198,12 @@ def test_invalid_arguments_are_rejected_at_construction():
         PODMonitor(log_images=["scalogram", "scalograms"])
     with pytest.raises(ValueError, match="log_images must be"):
         PODMonitor(log_images="scalogram")  # a string is not a list of names
+    with pytest.raises(ValueError, match="unknown picture"):
+        PODMonitor(log_images=[["scalogram"]])
+    # flags keep their meaning: all pictures, or none
+    assert PODMonitor(log_images=np.bool_(True)).pictures is None
+    assert PODMonitor(log_images=None).log_images is False
+    assert PODMonitor(log_images={"spectrum", "trend"}).log_images is True
 
 
 def test_model_without_attention_warns_once_and_trains(tmp_path):

@@ -59,6 +59,11 @@ class Eigenpairs:
     coefficients: Tensor | None = None
 
 
+#: Capture dtypes an exact store keeps as given (every operation on them is supported and exact
+#: once widened; float8 and other exotic types are converted to ``config.dtype``).
+NARROW_EXACT = (torch.float32, torch.float16, torch.bfloat16)
+
+
 def stored_dtype(config: PODConfig, input_dtype: torch.dtype) -> torch.dtype:
     """The dtype an exact store keeps a batch's band entries in.
 
@@ -71,7 +76,7 @@ def stored_dtype(config: PODConfig, input_dtype: torch.dtype) -> torch.dtype:
     """
     if config.storage_dtype is not None:
         return config.storage_dtype
-    if input_dtype.is_floating_point and input_dtype.itemsize < config.dtype.itemsize:
+    if input_dtype in NARROW_EXACT and input_dtype.itemsize < config.dtype.itemsize:
         return input_dtype
     return config.dtype
 

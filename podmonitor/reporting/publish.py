@@ -65,13 +65,17 @@ class Publisher:
         background: write pictures and sinks on a background worker, so the validation loop does
             not wait for matplotlib or disk (:meth:`flush` waits for them).
         pictures: the pictures a picture run draws, names from
-            :data:`~podmonitor.reporting.figures.PICTURES` (default all).
+            :data:`~podmonitor.reporting.figures.PICTURES` (default all); the extras' own pictures
+            (e.g. the head allocation of ``per_head=True``) are drawn on every picture run.
     """
 
     def __init__(self, out_dir: str, prefix: str = "pod", *, run_id: str | None = None,
                  warning: type[Warning] = UserWarning, strict: bool = False, background: bool = True,
                  pictures: Sequence[str] = PICTURES) -> None:
         self.out_dir = out_dir
+        unknown = [n for n in pictures if n not in PICTURES]
+        if unknown:
+            raise ValueError(f"unknown picture(s) {unknown}; choose from {list(PICTURES)}")
         self.pictures = tuple(pictures)
         self.prefix = prefix
         self.run_id = run_id

@@ -11,7 +11,7 @@ import torch
 from podmonitor import PODAccumulator, PODConfig
 from podmonitor.engine.lags import LagBand, lag_window
 from podmonitor.engine.running import RUNNING
-from podmonitor.engine.store import ExactStore, SketchStore
+from podmonitor.engine.store import ExactStore, SketchStore, stored_dtype
 from tests.conftest import random_causal_fields
 
 CFG = PODConfig(coherency=False, n_modes=4)
@@ -155,3 +155,15 @@ def test_narrow_fields_are_stored_as_given_in_less_memory_with_the_same_numbers(
     other_default.update(more)
     other_wide.update(more)
     _same_report(restored.merge(other_default).compute(), wide.merge(other_wide).compute())
+
+
+def test_only_float32_float16_and_bfloat16_are_kept_as_given():
+    cfg = PODConfig()  # float64 compute, storage_dtype None
+    assert [stored_dtype(cfg, d) for d in (torch.float32, torch.float16, torch.bfloat16)] == \
+        [torch.float32, torch.float16, torch.bfloat16]
+    assert stored_dtype(cfg, torch.float64) == torch.float64
+    assert stored_dtype(cfg, torch.int64) == torch.float64
+    assert stored_dtype(cfg, torch.float8_e4m3fn) == torch.float64  # exotic types are converted
+    assert stored_dtype(PODConfig(dtype=torch.float32), torch.float32) == torch.float32
+    assert stored_dtype(PODConfig(dtype=torch.float32), torch.bfloat16) == torch.bfloat16
+    assert stored_dtype(PODConfig(storage_dtype=torch.float64), torch.float32) == torch.float64

@@ -234,5 +234,9 @@ def test_run_pictures_are_exactly_the_ones_asked_for(real_reports):
     assert draw_run_pictures("pod", reports, list(reports), trend, [8, 16], which=()) == {}
     with pytest.raises(ValueError, match="unknown picture"):
         draw_run_pictures("pod", reports, list(reports), which=("scalograms",))
+    from podmonitor.reporting.publish import Publisher
+
+    with pytest.raises(ValueError, match="unknown picture"):
+        Publisher("unused", pictures=("scalograms",))
     assert set(PICTURES) == {"scale_organisation", "scalogram", "mean_scalogram", "spectrum", "modes",
                              "coherency", "trend"}
