@@ -249,7 +249,9 @@ def test_per_head_analysis_adds_one_report_per_head(tmp_path):
 def test_memory_budget_stops_capture_with_a_logged_status(tmp_path):
     from podmonitor import estimate_memory
 
-    budget = estimate_memory(32, 10, FAST)["state"]
+    # the captured fields are float32 and stored as such: a budget of the state of 10 float32
+    # snapshots holds 8 of them (with the eigenproblem of compute), not 16
+    budget = estimate_memory(32, 10, PODConfig(n_dominant=2, storage_dtype=torch.float32))["state"]
     cfg = PODConfig(n_dominant=2, memory_budget_bytes=budget)
     monitor = PODMonitor(n_snapshots=24, config=cfg, log_images=False, output_dir=str(tmp_path / "pm"))
     trainer = make_trainer(tmp_path, monitor, max_epochs=1)

@@ -55,7 +55,7 @@ from .report import PODReport
 from .running import RUNNING, STEPPED, BatchStep, normalisation_tol
 from .sketch import FrequentDirections
 from .spectrum import sketch_effective_rank
-from .store import SKETCH_FEED_BYTES, ExactStore, SketchStore, SnapshotStore
+from .store import SKETCH_FEED_BYTES, ExactStore, SketchStore, SnapshotStore, stored_dtype
 
 __all__ = [
     "SKETCH_FEED_BYTES",
@@ -301,7 +301,7 @@ class PODAccumulator:
         try:  # a first batch that is not added leaves the accumulator empty (its counters kept)
             if first:
                 self._init_state(seq_len, causal, device)
-            self._check_budget(x.shape[0])
+            self._check_budget(x.shape[0], x.dtype)
             self._add_batch(x, causal, row_sums, total)
         except BaseException:
             if first:
@@ -310,9 +310,11 @@ class PODAccumulator:
         self._merge_counts({"n_skipped_nonfinite": n_bad, "input_dtypes": {dtype_name}})
         return x.shape[0]
 
-    def _check_budget(self, n_new: int) -> None:
-        """Before ``n_new`` snapshots are added: switch to the sketch ("auto") or refuse, when the
-        state plus the eigenproblem of ``compute`` would exceed the budget.
+    def _check_budget(self, n_new: int, input_dtype: torch.dtype) -> None:
+        """Before ``n_new`` snapshots of ``input_dtype`` are added: switch to the sketch ("auto") or
+        refuse, when the state plus the eigenproblem of ``compute`` would exceed the budget. The
+        snapshots count as the bytes the store holds plus the new ones in the dtype it will keep
+        them in (:func:`~podmonitor.engine.store.stored_dtype`).
 
         Raises:
             MemoryBudgetError: the budget cannot hold them (nothing has changed then).
@@ -320,8 +322,9 @@ class PODAccumulator:
         cfg = self.config
         if cfg.memory_budget_bytes is None or not isinstance(self.store, ExactStore):
             return
-        assert self.seq_len is not None and self.causal is not None
-        need = exact_budgeted_bytes(self.n + n_new, self.seq_len, cfg, self.causal)
+        assert self.seq_len is not None and self.causal is not None and self.band is not None
+        held = self.store.nbytes() + n_new * self.band.size * stored_dtype(cfg, input_dtype).itemsize
+        need = exact_budgeted_bytes(self.n + n_new, self.seq_len, cfg, self.causal, held)
         # rank and limit are fixed after _init_state (no per-update recomputation)
         limit = self._exact_limit if self._exact_limit is not None else cfg.memory_budget_bytes
         if need <= limit:
@@ -329,7 +332,7 @@ class PODAccumulator:
         if cfg.mode == "auto" and self._sketch_rank:
             self._start_sketch()
             return
-        raise MemoryBudgetError(budget_message(n_new, self.n, self.seq_len, cfg, self.causal))
+        raise MemoryBudgetError(budget_message(n_new, self.n, self.seq_len, cfg, self.causal, held))
 
     def _add_batch(self, x: Tensor, causal: bool, row_sums: Tensor, total: Tensor) -> None:
         """Add (B, L, L) checked fields: moments about the batch mean, each running quantity's steps,
@@ -470,7 +473,8 @@ class PODAccumulator:
         self.store.merge(other.store)
         budget = self.config.memory_budget_bytes
         if isinstance(self.store, ExactStore) and self.config.mode == "auto" and budget is not None \
-                and self._sketch_rank and exact_budgeted_bytes(self.n, self.seq_len, self.config, self.causal) > budget:
+                and self._sketch_rank \
+                and exact_budgeted_bytes(self.n, self.seq_len, self.config, self.causal, self.store.nbytes()) > budget:
             self._start_sketch()
         self._merge_counts(counts)
         return self

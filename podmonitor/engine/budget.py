@@ -10,8 +10,12 @@ that ``compute`` builds from it (the part of compute that grows with N):
 
 with F the running tensors (:func:`~podmonitor.engine.running.fixed_state_bytes`), P the lag-band
 entries of a field, c and s the bytes of ``dtype`` and ``storage_dtype``, l the sketch rank. With
-``storage_dtype`` unset, s = c: an upper bound for float32 or narrower fields, which the exact
-store keeps as given (:func:`~podmonitor.engine.store.stored_dtype`).
+``storage_dtype`` unset, s = c in the planner (:func:`estimate_memory`, :func:`sketch_rank_for`):
+an upper bound for float32, float16 and bfloat16 fields, which the exact store keeps as given
+(:func:`~podmonitor.engine.store.stored_dtype`). The accumulator's check before each update counts
+the bytes its exact store really holds, plus the new batch in the dtype it will be kept in, so
+narrow captures fill the budget with twice (float32) or four times (16-bit) as many snapshots
+before the budget refuses them or auto mode switches to a sketch.
 :func:`estimate_memory` also lists compute's other, bounded temporaries.
 """
 
@@ -75,11 +79,18 @@ def sketch_eig_bytes(rank: int, config: PODConfig) -> int:
     return 5 * (2 * rank) ** 2 * config.dtype.itemsize
 
 
-def exact_budgeted_bytes(n_snapshots: int, seq_len: int, config: PODConfig, causal: bool) -> int:
+def exact_budgeted_bytes(n_snapshots: int, seq_len: int, config: PODConfig, causal: bool,
+                         snapshot_bytes: int | None = None) -> int:
     """What ``memory_budget_bytes`` bounds in exact mode: the state of N snapshots plus the
-    eigenproblem that ``compute`` will build from them."""
+    eigenproblem that ``compute`` will build from them.
+
+    ``snapshot_bytes``: what the N snapshots take in the store (the accumulator counts the dtypes
+    it really keeps, :func:`~podmonitor.engine.store.stored_dtype`); default ``N P s``, the
+    planner's upper bound."""
     p = stored_entries(seq_len, config, causal)
-    state = n_snapshots * p * config.resolved_storage_dtype.itemsize + fixed_bytes(seq_len, config, causal)
+    if snapshot_bytes is None:
+        snapshot_bytes = n_snapshots * p * config.resolved_storage_dtype.itemsize
+    state = snapshot_bytes + fixed_bytes(seq_len, config, causal)
     return state + exact_eig_bytes(n_snapshots, p, config)
 
 
@@ -207,12 +218,14 @@ def no_sketch_message(seq_len: int, config: PODConfig, causal: bool) -> str:
     )
 
 
-def budget_message(n_new: int, n_kept: int, seq_len: int, config: PODConfig, causal: bool) -> str:
-    """Why ``n_new`` more snapshots are refused (exact store, or auto mode without a useful sketch)."""
+def budget_message(n_new: int, n_kept: int, seq_len: int, config: PODConfig, causal: bool,
+                   snapshot_bytes: int | None = None) -> str:
+    """Why ``n_new`` more snapshots are refused (exact store, or auto mode without a useful sketch);
+    ``snapshot_bytes`` as in :func:`exact_budgeted_bytes`, for all ``n_kept + n_new``."""
     n_total = n_kept + n_new
     p = stored_entries(seq_len, config, causal)
-    need = exact_budgeted_bytes(n_total, seq_len, config, causal)
-    state = n_total * p * config.resolved_storage_dtype.itemsize
+    need = exact_budgeted_bytes(n_total, seq_len, config, causal, snapshot_bytes)
+    state = n_total * p * config.resolved_storage_dtype.itemsize if snapshot_bytes is None else snapshot_bytes
     hint = ("; PODConfig(mode='auto') or mode='sketch' keeps a bounded sketch instead"
             if config.mode == "exact" else "; " + no_sketch_message(seq_len, config, causal))
     return (

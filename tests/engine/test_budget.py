@@ -64,6 +64,37 @@ def test_the_budget_counts_the_eigenproblem_of_compute_not_only_the_stored_snaps
     assert acc.compute().n_snapshots == n  # what was kept is analysed
 
 
+def test_narrow_fields_are_counted_as_the_store_keeps_them_so_more_of_them_fit():
+    cfg = PODConfig(mode="exact", coherency=False, n_dominant=1, memory_budget_bytes=2**20)
+    fields = random_causal_fields(400, 32, seed=6)
+    fixed = estimate_memory(32, 0, cfg)["state"]  # the O(L^2) running state, whatever the dtype
+    p = 32 * 33 // 2  # the whole lower triangle: the default windows reach every lag at L = 32
+
+    def kept(dtype):
+        acc = PODAccumulator(cfg)
+        with pytest.raises(MemoryBudgetError, match="budget of") as err:
+            for lo in range(0, 400, 10):
+                acc.update(fields[lo:lo + 10].to(dtype))
+        return acc, err.value
+
+    for dtype, itemsize in ((torch.float64, 8), (torch.float32, 4), (torch.bfloat16, 2)):
+        acc, err = kept(dtype)
+        n = acc.n
+
+        def need(m, itemsize=itemsize):  # the literal count: state, stored snapshots, N x N Gram + vectors
+            return fixed + m * p * itemsize + 2 * m * m * 8
+
+        assert need(n) <= cfg.memory_budget_bytes < need(n + 10), dtype
+        assert acc.nbytes() == fixed + n * p * itemsize
+        assert f"{n} snapshots are kept" in str(err)
+        if dtype == torch.float64:
+            n_f64 = n
+            assert estimate_memory(32, n, cfg)["budgeted"] == need(n)  # the planner's count, exactly
+        else:
+            assert n > n_f64, dtype  # a narrow capture fills the budget with more snapshots
+            assert acc.compute().n_snapshots == n
+
+
 def test_auto_mode_switches_to_the_sketch_before_the_gram_matrix_would_pass_the_budget():
     cfg = PODConfig(storage_dtype=torch.float16, coherency=False, n_dominant=1, k_fit=5, memory_budget_bytes=2**20)
     fields = random_causal_fields(400, 32, seed=6)
