@@ -187,6 +187,23 @@ def _above_diagonal(T: int, device: torch.device) -> torch.Tensor:
     return torch.ones(T, T, dtype=torch.bool, device=device).triu(1)
 
 
+def _softmax_rows(scores: torch.Tensor) -> torch.Tensor:
+    """softmax over the last dimension of ``scores`` (..., T), in place when nothing differentiates.
+
+    In place the numbers are the same, and no second buffer of the scores' size is allocated and
+    faulted in: at T = 1024 on a CPU this step takes about a third of the time (the capture of
+    ``attention_maps`` runs without gradients). With reverse-mode autograd, or forward-mode AD
+    (``torch.func.jvp`` even under ``no_grad``, which refuses ``out=`` before writing), it is the
+    ordinary out-of-place softmax.
+    """
+    if torch.is_grad_enabled() or scores.requires_grad:
+        return F.softmax(scores, dim=-1)
+    try:
+        return torch.softmax(scores, dim=-1, out=scores)
+    except RuntimeError:  # forward-mode AD: out= is refused before anything is written
+        return F.softmax(scores, dim=-1)
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention, optionally energy-gated (EGA)."""
 
@@ -277,7 +294,7 @@ class CausalSelfAttention(nn.Module):
         if log_g is not None:
             att.add_(log_g)  # softmax(s + log g) = A g / sum(A g)
         att.masked_fill_(_above_diagonal(T, x.device), float("-inf"))
-        att = F.softmax(att, dim=-1)  # (B, nh, T, T), rows sum to 1
+        att = _softmax_rows(att)  # (B, nh, T, T), rows sum to 1
         y = self.attn_dropout(att) @ v  # (B, nh, T, T) x (B, nh, T, hs) -> (B, nh, T, hs)
         return self.merge_heads(self.apply_head_mask(y)), att
 

@@ -256,3 +256,27 @@ def test_training_mode_uses_dropout_and_grads_flow() -> None:
     with torch.no_grad():
         logits, loss = model(idx, idx)
     torch.testing.assert_close(loss, F.cross_entropy(logits.reshape(-1, 65), idx.reshape(-1)))
+
+
+@pytest.mark.parametrize("variant", VARIANTS[:3], ids=IDS[:3])
+def test_attention_without_gradients_is_the_same_as_with_them(variant: dict) -> None:
+    """Without autograd the softmax runs in place (less memory to fault in); the maps are the
+    same bits as those of the ordinary softmax taken while gradients are recorded, and forward-mode
+    AD under ``no_grad`` (which cannot write in place) still gets its tangent."""
+    model = make_model(**variant)
+    idx = torch.randint(0, 65, (2, 32), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        _, _, fast = model(idx, return_attention=True)
+    _, _, plain = model(idx, return_attention=True)  # gradients on: the out-of-place softmax
+    assert plain[0].requires_grad
+    for a, b in zip(fast, plain, strict=True):
+        assert torch.equal(a, b.detach())
+
+    attn = model.transformer.h[0].attn
+    x = torch.randn(1, 8, 32, generator=torch.Generator().manual_seed(7))
+    v = torch.randn(1, 8, 32, generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        out_ng, tan_ng = torch.func.jvp(lambda z: attn(z, return_attention=True)[1], (x,), (v,))
+    out_g, tan_g = torch.func.jvp(lambda z: attn(z, return_attention=True)[1], (x,), (v,))
+    assert torch.equal(out_ng, out_g) and torch.equal(tan_ng, tan_g)
+    assert tan_g.abs().max() > 0  # a real tangent
