@@ -52,10 +52,9 @@ def _right_of_blocks_zero(fields: Tensor, blocks: list[tuple[int, int, int]]) ->
     """Whether every key right of the causal row blocks (rows ``[r0, r1)``, keys ``k..T-1``) is
     zero in the whole (B, H, T, T) batch (NaN: not zero); one transfer for the batch."""
     t = fields.shape[-1]
-    # (amin and amax: torch.aminmax is slow on such strided views)
-    peaks = [torch.stack((rest.amin(), rest.amax())) for seq in fields for r0, r1, k in blocks if k < t
-             for rest in (seq[:, r0:r1, k:],)]
-    return not peaks or bool((torch.stack(peaks) == 0).all())
+    # one pass per strided view (count_nonzero counts NaN; about 2.5x faster than amin and amax)
+    counts = [torch.count_nonzero(seq[:, r0:r1, k:]) for seq in fields for r0, r1, k in blocks if k < t]
+    return not counts or int(torch.stack(counts).sum()) == 0
 
 
 def _finite_or_none(x: float | None) -> float | None:
@@ -84,7 +83,8 @@ class StabilityReport:
         sink_mass_mean: mean over heads of ``sink_mass``.
         sink_mass_max: max over heads of ``sink_mass``.
         max_prob_layer: max over heads of ``max_prob``.
-        n_skipped_nonfinite: sequences skipped because their field held NaN or Inf.
+        n_skipped_nonfinite: sequences skipped because their field held NaN or Inf (or an entry
+            so large that its p log p overflows: not a probability).
         status: "ok", or "empty" when no snapshot was usable.
         messages: what was excluded, and why.
     """
@@ -196,9 +196,17 @@ class StabilityAccumulator:
         assert self._max_prob is not None and self._max_logit is not None
         blocks = _row_blocks(first, t, causal)
         right_zero = causal and (inferred or _right_of_blocks_zero(fields, blocks))
-        # which sequences are finite (aminmax: finite iff both are; NaN propagates), in one transfer
-        bounds = [torch.aminmax(fields[s]) for s in range(b)]
-        finite = torch.isfinite(torch.stack([torch.stack(lh) for lh in bounds])).all(dim=1).tolist() if b else []
+        # each sequence's sums first, then which sequences are finite (one transfer for the batch)
+        per_seq = [self._sequence_sums(fields[s].float(), blocks, log_n, first, right_zero, n_rows)
+                   for s in range(b)]
+        if n_rows:
+            # every entry enters a block's sum of p log p (first..T-1 rows; right of a causal block
+            # only when not all zero), where a NaN or Inf makes the sum non-finite; row 0 apart
+            flags = [torch.isfinite(torch.stack((ent_sum.sum(), fields[s, :, :first].float().sum())))
+                     for s, (ent_sum, _, _, _) in enumerate(per_seq)]
+        else:  # no rows with a defined entropy (T = 1): look at every entry
+            flags = [torch.isfinite(torch.stack(torch.aminmax(fields[s]))) for s in range(b)]
+        finite = torch.stack(flags).all(dim=1).tolist() if b else []
         # the sums in the same order as one sequence at a time, on the fields' device (one
         # transfer back per batch; on the CPU these are the state's own tensors)
         ent, sink, row_max_total = (x.to(device) for x in (self._entropy_sum, self._sink_sum, self._row_max_sum))
@@ -208,15 +216,14 @@ class StabilityAccumulator:
             if not finite[s]:
                 self.n_skipped_nonfinite += 1
                 continue
-            a = fields[s].float()  # (H, T, T)
             used += 1
+            ent_sum, row_max_sum, row_max_peak, sink_sum = per_seq[s]
             if n_rows:
-                ent_sum, row_max_sum, row_max_peak = self._entropy_and_row_max(a, blocks, log_n, first, right_zero)
                 ent += ent_sum
                 row_max_total += row_max_sum
                 max_prob = torch.maximum(max_prob, row_max_peak.double())
             if t > 1:
-                sink += a[:, 1:, 0].sum(dim=-1, dtype=torch.float64)
+                sink += sink_sum
             if logit_max is not None:
                 lm = logit_max[s].detach().double().to(device)
                 max_logit = torch.maximum(max_logit, lm.nan_to_num(nan=-math.inf))
@@ -229,6 +236,18 @@ class StabilityAccumulator:
             self.n_logit_snapshots += used
         if used:
             self.causal_seen.add(causal)
+
+    def _sequence_sums(self, a: Tensor, blocks: list[tuple[int, int, int]], log_n: Tensor, first: int,
+                       right_zero: bool, n_rows: int) -> tuple[Tensor | None, Tensor | None, Tensor | None,
+                                                               Tensor | None]:
+        """One sequence's contributions: entropy, row-maximum sum and peak (None without rows
+        whose entropy is defined), and the sink sum (None for T = 1); see
+        :meth:`_entropy_and_row_max`. ``a`` is (H, T, T) float32."""
+        sums: tuple[Tensor | None, Tensor | None, Tensor | None] = (None, None, None)
+        if n_rows:
+            sums = self._entropy_and_row_max(a, blocks, log_n, first, right_zero)
+        sink = a[:, 1:, 0].sum(dim=-1, dtype=torch.float64) if a.shape[-1] > 1 else None
+        return (*sums, sink)
 
     def _entropy_and_row_max(self, a: Tensor, blocks: list[tuple[int, int, int]], log_n: Tensor,
                              first: int, right_zero: bool) -> tuple[Tensor, Tensor, Tensor]:

@@ -155,6 +155,45 @@ def test_stability_skips_nonfinite_sequences_and_writes_strict_json() -> None:
     json.dumps(empty.to_dict(), allow_nan=False)
 
 
+@pytest.mark.parametrize("causal", [True, None, False])
+@pytest.mark.parametrize("t", [2, 7, 150])
+def test_stability_skips_exactly_the_sequences_a_literal_isfinite_check_finds(causal, t) -> None:
+    """Finiteness is read from the sums (every entry enters a block's p log p sum, row 0 apart):
+    NaN or +-Inf placed in row 0, inside a row block, right of a causal block or at the last key
+    skips exactly the sequences ``torch.isfinite`` flags, and the others give the literal signals."""
+    g = torch.Generator().manual_seed(t)
+    f = random_fields(8, 3, t, causal=causal is not False, seed=t)
+    spots = [(0, 0, 0, t - 1), (1, 2, t - 1, 0), (2, 1, t // 2, min(t - 1, t // 2 + 1)), (3, 0, 0, 0),
+             (4, 2, t - 1, t - 1), (5, 1, 1, t - 1)]
+    bad_values = [float("nan"), float("inf"), float("-inf")]
+    for k, spot in enumerate(spots):
+        f[spot] = bad_values[int(torch.randint(0, 3, (1,), generator=g)) if k else 0]
+    literal_finite = torch.isfinite(f).flatten(1).all(dim=1)
+    assert int((~literal_finite).sum()) == len(spots)  # the check below can fail: six bad, two good
+    acc = StabilityAccumulator()
+    acc.update(f, causal=causal)
+    rep = acc.compute()
+    assert rep.n_skipped_nonfinite == len(spots) and rep.n_snapshots == 2
+    # the good ones: as a literal computation (a field with a NaN above the diagonal is not causal)
+    treated_causal = causal is True or (causal is None and bool((f.triu(1) == 0).all()))
+    ref = literal(f[literal_finite].numpy(), None, treated_causal)
+    np.testing.assert_allclose(rep.entropy, ref["entropy"], rtol=1e-6)
+    np.testing.assert_allclose(rep.sink_mass, ref["sink"], rtol=1e-6)
+    json.dumps(rep.to_dict(), allow_nan=False)
+
+
+def test_stability_skips_a_sequence_whose_p_log_p_overflows() -> None:
+    # not a probability: p log p of 3e38 overflows float32; the sequence is skipped (and counted)
+    # instead of turning the running entropy into Inf
+    f = random_fields(2, 2, 6, causal=True, seed=3)
+    f[1, 0, 5, 0] = 3e38
+    acc = StabilityAccumulator()
+    acc.update(f, causal=True)
+    rep = acc.compute()
+    assert rep.n_skipped_nonfinite == 1 and rep.n_snapshots == 1
+    np.testing.assert_allclose(rep.entropy, literal(f[:1].numpy(), None, True)["entropy"], rtol=1e-6)
+
+
 def test_stability_infers_causality_and_rejects_bad_input() -> None:
     acc = StabilityAccumulator()
     acc.update(random_fields(1, 2, 5, causal=True))
