@@ -106,10 +106,12 @@ def scalogram_from_moment(moment: Tensor, scales: Tensor, omega0: float, n_rows:
     out = moment.new_zeros(len(scales), seq_len)
     if seq_len < 2 or len(scales) == 0:
         return out
-    # Rhat[f, g] = sum_{tau, tau'} exp(-2 pi i f tau / 2L) R[tau, tau'] exp(+2 pi i g tau' / 2L)
-    rhat = n_fft * torch.fft.ifft(torch.fft.fft(moment, n=n_fft, dim=0), n=n_fft, dim=1)
-    pos = slice(1, seq_len)  # psihat is zero at f <= 0 (fftfreq(2L) index L is -1/2)
-    rhat = rhat[pos, pos]  # (M, M), M = L - 1
+    # Rhat[f, g] = sum_{tau, tau'} exp(-2 pi i f tau / 2L) R[tau, tau'] exp(+2 pi i g tau' / 2L),
+    # needed only at f, g = 1..L-1: psihat is zero at f <= 0 (fftfreq(2L) index L is -1/2), so
+    # the second transform runs on those rows only (each row's transform is the same on its own)
+    pos = slice(1, seq_len)
+    rows = torch.fft.fft(moment, n=n_fft, dim=0)[pos]  # (M, L), M = L - 1
+    rhat = n_fft * torch.fft.ifft(rows, n=n_fft, dim=1)[:, pos]  # (M, M)
     m = seq_len - 1
     # psihat_a(f) psihat_a(g) = 2 pi a G_a(f + g) H_a(f - g) with Gaussians G and H: the sum over
     # each diagonal d = f - g is a sum over u = f + g, i.e. for all scales at once one product
