@@ -5,6 +5,7 @@ Usage (from the repository root)::
     python benchmarks/bench_validation_run.py                  # 12 layers x 12 heads, L = 1024, N = 150
     python benchmarks/bench_validation_run.py --seq-len 256 --n 64   # quicker
     python benchmarks/bench_validation_run.py --device cuda          # on a GPU
+    python benchmarks/bench_validation_run.py --no-hugepages         # maps faulted in by 4 KiB pages
 
 The model is the reference GPT at GPT-2-small's attention shape (12 layers, 12 heads, context
 ``--seq-len``) but a narrow width (``--n-embd``, default 96: head size 8), so that the model's own
@@ -35,6 +36,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--no-hugepages", action="store_true",
+                    help="turn off the huge-page advice of podmonitor's buffers (podmonitor.hugepages.ENABLED)")
     args = ap.parse_args(argv)
 
     import lightning as L
@@ -42,10 +45,11 @@ def main(argv: list[str] | None = None) -> None:
     from lightning.pytorch.loggers import TensorBoardLogger
     from torch.utils.data import DataLoader, TensorDataset
 
-    from podmonitor import PODMonitor
+    from podmonitor import PODMonitor, hugepages
     from podmonitor.models.lightning import GPTLightningModule
 
     torch.set_num_threads(args.threads)
+    hugepages.ENABLED = not args.no_hugepages
     torch.manual_seed(0)
     vocab = 65
     model = GPTLightningModule(vocab_size=vocab, block_size=args.seq_len, n_layer=args.layers, n_head=args.heads,
@@ -62,7 +66,8 @@ def main(argv: list[str] | None = None) -> None:
         trainer.fit(model, train, val)
         wall = time.perf_counter() - t0
     print(f"GPT-2-small attention shape: {args.layers} layers x {args.heads} heads, L = {args.seq_len}, "
-          f"N = {args.n}, batch {args.batch}, width {args.n_embd}, {args.threads} threads, {args.device}")
+          f"N = {args.n}, batch {args.batch}, width {args.n_embd}, {args.threads} threads, {args.device}, "
+          f"huge pages {'off' if args.no_hugepages else 'advised'}")
     print("run  pictures  capture_s  accumulate_s  compute_s  logging_s  monitor_total_s")
     for i, entry in enumerate(monitor.history):
         t = entry.get("timings", {})

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from podmonitor import hugepages
 from podmonitor.capture.base import NOTHING_FITS, CaptureAdapter, CapturedAttention
 from podmonitor.capture.hooks import HookHandles
 
@@ -52,6 +53,9 @@ FLOAT_MASK_BLOCKS = -1e4
 
 #: working memory of one chunk of query rows during the recomputation (bytes)
 DEFAULT_CHUNK_BYTES = 32 * 2**20
+
+#: query rows per block when a causal call is recomputed in row blocks (:func:`_recompute_causal`)
+CAUSAL_BLOCK_ROWS = 128
 
 _FOREIGN = ("torch", "transformers")  # packages whose classes have their own adapters (or never call SDPA)
 
@@ -145,7 +149,9 @@ def recompute(call: SDPACall, output: Tensor, chunk_bytes: int = DEFAULT_CHUNK_B
     be attended, a float mask is added to the scores; ``is_causal`` blocks j > i; ``enable_gqa``
     repeats K and V over the query heads (``repeat_interleave``); no dropout. The scores are
     computed in float32 (float64 for float64 inputs), ``chunk_bytes`` of query rows at a time,
-    so the working memory beyond A itself stays bounded.
+    so the working memory beyond A itself stays bounded. An ``is_causal`` call without a mask goes
+    in row blocks that read only the keys they can see (:func:`_recompute_causal`). A is written
+    into fresh memory advised as huge pages (:mod:`podmonitor.hugepages`).
 
     Args:
         call: the call's arguments; query (B, H, T, E), key (B, H or H_kv, T, E), value
@@ -183,8 +189,11 @@ def recompute(call: SDPACall, output: Tensor, chunk_bytes: int = DEFAULT_CHUNK_B
         column = blocked.all(dim=-2).all(dim=1)  # (B | 1, S): blocked for every query of every head
         padded = column.any(dim=-1).expand(b).to(q.device)
         mask4 = mask4.expand(b, h, t, t)
-    probs = torch.empty(b, h, t, t, dtype=torch.float32, device=q.device)
+    probs = hugepages.empty((b, h, t, t), torch.float32, q.device)  # fresh memory: faulted in by huge pages
     logit_max = torch.full((b, h), -math.inf, dtype=torch.float32, device=q.device)
+    if call.is_causal and mask is None:  # the usual causal call: only the keys each row block can see
+        error = _recompute_causal(qs, kt, vw, out, v_scale, probs, logit_max, chunk_bytes)
+        return Recomputed(probs=probs, logit_max=logit_max, error=error, padded=None, causal=True)
     # chunks write contiguous blocks of ``probs``: several heads of one sequence (all rows), or, when one
     # head's T x T scores exceed chunk_bytes, rows of one head
     elsize = torch.finfo(work).bits // 8
@@ -234,6 +243,51 @@ def recompute(call: SDPACall, output: Tensor, chunk_bytes: int = DEFAULT_CHUNK_B
                     errors = torch.maximum(errors, diff.amax())
     error = float(errors)
     return Recomputed(probs=probs, logit_max=logit_max, error=error, padded=padded, causal=causal)
+
+
+def _recompute_causal(qs: Tensor, kt: Tensor, vw: Tensor, out: Tensor, v_scale: Tensor, probs: Tensor,
+                      logit_max: Tensor, chunk_bytes: int) -> float:
+    """:func:`recompute` of an ``is_causal`` call without a mask, in row blocks that read only the
+    keys they can see: rows [r0, r1) take the scores, softmax and self-check of keys [0, r1), and
+    only the block's diagonal square is masked. About half the work and memory traffic of full
+    rows at long contexts; the keys right of a block are written as zeros.
+
+    Args:
+        qs: (B, H, T, E) queries times the scale, in the working dtype.
+        kt: (B, H, E, T) keys, transposed (views where they broadcast).
+        vw: (B, H, T, Ev) values; out: (B, H, T, Ev) the call's output; v_scale: (B, H, 1, 1).
+        probs: (B, H, T, T) float32, filled here; logit_max: (B, H) float32, raised here.
+        chunk_bytes: working memory of one block's scores.
+
+    Returns:
+        The self-check error: max over (sequence, head) of max |A V - out| / max |V|.
+    """
+    b, h, t, _ = qs.shape
+    work = qs.dtype
+    elsize = torch.finfo(work).bits // 8
+    rows_per = max(1, min(t, CAUSAL_BLOCK_ROWS, chunk_bytes // (t * elsize)))
+    heads_per = max(1, min(h, chunk_bytes // (rows_per * t * elsize)))
+    buffer = torch.empty(heads_per * rows_per * t, dtype=work, device=qs.device)  # one block's scores, reused
+    upper = torch.ones(rows_per, rows_per, dtype=torch.bool, device=qs.device).triu(1)  # j > i in a square
+    errors = torch.zeros((), dtype=work, device=qs.device)
+    for bi in range(b):
+        for h0 in range(0, h, heads_per):
+            h1 = min(h, h0 + heads_per)
+            for r0 in range(0, t, rows_per):
+                r1 = min(t, r0 + rows_per)
+                scores = buffer[: (h1 - h0) * (r1 - r0) * r1].view(h1 - h0, r1 - r0, r1)
+                torch.matmul(qs[bi, h0:h1, r0:r1], kt[bi, h0:h1, :, :r1], out=scores)  # (h, c, r1)
+                scores[..., r0:r1].masked_fill_(upper[: r1 - r0, : r1 - r0], -math.inf)
+                lm = scores.amax(dim=(-2, -1)).float()  # (h,): over visible keys
+                logit_max[bi, h0:h1] = torch.maximum(logit_max[bi, h0:h1], lm)
+                a = torch.softmax(scores, dim=-1, out=scores)
+                probs[bi, h0:h1, r0:r1, :r1].copy_(a)
+                probs[bi, h0:h1, r0:r1, r1:].zero_()
+                diff = (a @ vw[bi, h0:h1, :r1]).sub_(out[bi, h0:h1, r0:r1].to(work)).abs_().div_(v_scale[bi, h0:h1])
+                diff.masked_fill_(~torch.isfinite(diff), 0.0)
+                if diff.numel():
+                    errors = torch.maximum(errors, diff.amax())
+    return float(errors)
 
 
 # ----------------------------------------------------------------------------- static probe

@@ -50,6 +50,8 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
+from podmonitor import hugepages
+
 AttentionKind = Literal["softmax", "ega"]
 EGAGate = Literal["causal", "window"]
 PosEncoding = Literal["learned", "mope"]
@@ -187,6 +189,20 @@ def _above_diagonal(T: int, device: torch.device) -> torch.Tensor:
     return torch.ones(T, T, dtype=torch.bool, device=device).triu(1)
 
 
+def _scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """q k^T, (B, nh, T, hs) x (B, nh, T, hs) -> (B, nh, T, T); without autograd into a fresh
+    buffer advised as huge pages (:mod:`podmonitor.hugepages`: the same numbers, faulted in
+    several times faster on Linux CPUs)."""
+    if torch.is_grad_enabled() or q.requires_grad or k.requires_grad:
+        return q @ k.transpose(-2, -1)
+    b, nh, t, _ = q.shape
+    out = hugepages.empty((b, nh, t, k.shape[-2]), q.dtype, q.device)
+    try:
+        return torch.matmul(q, k.transpose(-2, -1), out=out)
+    except RuntimeError:  # forward-mode AD: out= is refused before anything is written
+        return q @ k.transpose(-2, -1)
+
+
 def _softmax_rows(scores: torch.Tensor) -> torch.Tensor:
     """softmax over the last dimension of ``scores`` (..., T), in place when nothing differentiates.
 
@@ -289,7 +305,7 @@ class CausalSelfAttention(nn.Module):
         # explicit (math) path: materialise the probabilities
         # in place where the value is the same: one (B, nh, T, T) buffer for the scores and one for
         # the probabilities (each out-of-place step would allocate and fault in another)
-        att = q @ k.transpose(-2, -1)  # (B, nh, T, T)
+        att = _scores(q, k)  # (B, nh, T, T)
         att.mul_(1.0 / math.sqrt(k.size(-1)))
         if log_g is not None:
             att.add_(log_g)  # softmax(s + log g) = A g / sum(A g)

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from podmonitor import PODConfig, PODMonitor, analyze
 from podmonitor.capture import CapturedAttention, SDPAAdapter, SDPAHeadMask, TorchMHAAdapter, select_adapter
-from podmonitor.capture.sdpa import DEFAULT_CHUNK_BYTES, SDPA
+from podmonitor.capture.sdpa import CAUSAL_BLOCK_ROWS, DEFAULT_CHUNK_BYTES, SDPA, SDPACall, recompute
 from podmonitor.pruning import HeadMasker
 from tests.capture.sdpa_models import (
     GPT,
@@ -281,6 +281,37 @@ def test_sdpa_chunked_recomputation_equals_one_chunk(chunk_bytes):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
     for a, b in zip(whole.logit_max, rows.logit_max, strict=True):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("t", [1, 5, CAUSAL_BLOCK_ROWS, 300])
+@pytest.mark.parametrize("chunk_bytes", [DEFAULT_CHUNK_BYTES, 1])
+def test_sdpa_causal_calls_in_row_blocks_equal_the_same_call_with_a_causal_mask(dtype, t, chunk_bytes):
+    """An ``is_causal`` call is recomputed in row blocks that read only the keys they can see; the
+    same call written with an explicit lower-triangular mask takes the full-row path. The same
+    maps and logit maxima to rounding (products of another shape and a softmax over fewer keys
+    may round differently), zeros above the diagonal, and a literal float64 softmax agrees; a wrong
+    output still fails the self-check."""
+    g = torch.Generator().manual_seed(t)
+    b, h, e = 2, 3, 8
+    q, k, v = (torch.randn(b, h, t, e, generator=g, dtype=dtype) for _ in range(3))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    blocks = recompute(SDPACall.bind((q, k, v), {"is_causal": True}), out, chunk_bytes=chunk_bytes)
+    tril = torch.ones(t, t, dtype=torch.bool).tril()
+    full = recompute(SDPACall.bind((q, k, v), {"attn_mask": tril}), out, chunk_bytes=chunk_bytes)
+    rtol = 1e-6 if dtype == torch.float32 else 1e-12
+    torch.testing.assert_close(blocks.probs, full.probs, rtol=rtol, atol=1e-7)
+    torch.testing.assert_close(blocks.logit_max, full.logit_max, rtol=rtol, atol=1e-7)
+    assert blocks.error < 1e-5 and full.error < 1e-5 and blocks.causal and blocks.padded is None
+    assert torch.all(blocks.probs.triu(1) == 0)
+    scores = (q.double() @ k.double().transpose(-1, -2)) / math.sqrt(e)
+    literal = scores.masked_fill(~tril, -math.inf).softmax(-1)
+    torch.testing.assert_close(blocks.probs.double(), literal, rtol=0, atol=1e-6)
+    torch.testing.assert_close(blocks.logit_max.double(), scores.masked_fill(~tril, -math.inf).amax((-2, -1)),
+                               rtol=1e-6, atol=1e-6)
+    if t > 1:
+        wrong = recompute(SDPACall.bind((q, k, v), {"is_causal": True}), out * 1.5, chunk_bytes=chunk_bytes)
+        assert wrong.error > 1e-2
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])

@@ -1,0 +1,64 @@
+"""podmonitor.hugepages: large buffers advised as transparent huge pages, checked in the kernel's
+own accounting (/proc/self/smaps), and left alone where the advice does not apply."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from podmonitor import hugepages
+
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+LINUX_THP = sys.platform.startswith("linux") and THP.exists() and "[never]" not in THP.read_text()
+
+
+def anon_huge_kib(ptr: int) -> int:
+    """AnonHugePages (KiB) of the mapping of /proc/self/smaps that holds address ``ptr``."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= ptr < hi
+        elif inside and head == "AnonHugePages:":
+            return int(line.split()[1])
+    return 0
+
+
+def thp_fallbacks() -> int:
+    for line in Path("/proc/vmstat").read_text().splitlines():
+        if line.startswith("thp_fault_fallback "):
+            return int(line.split()[1])
+    return 0
+
+
+@pytest.mark.skipif(not LINUX_THP, reason="needs Linux with transparent huge pages not set to never")
+def test_a_large_buffer_is_faulted_in_by_huge_pages_and_holds_what_is_written():
+    before = thp_fallbacks()
+    t = hugepages.empty((8, 1024, 1024), torch.float32)  # 32 MiB
+    assert hugepages.advise(t)  # (again: harmless)
+    t.fill_(0.25)
+    # (the advice splits the mapping: the interior from the first 2 MiB boundary is its own)
+    huge = anon_huge_kib(-(-t.data_ptr() // hugepages.HUGE_PAGE) * hugepages.HUGE_PAGE)
+    if huge == 0 and thp_fallbacks() > before:
+        pytest.skip("the kernel had no free huge page to give")
+    assert huge >= 2048  # at least one 2 MiB page backs the buffer
+    assert bool((t == 0.25).all())
+
+    hugepages.ENABLED = False
+    try:
+        small = hugepages.empty((8, 1024, 1024), torch.float32)
+        assert not hugepages.advise(small)
+    finally:
+        hugepages.ENABLED = True
+
+
+def test_small_buffers_and_other_devices_are_plain_empty_tensors():
+    t = hugepages.empty((3, 5), torch.float64)
+    assert t.shape == (3, 5) and t.dtype == torch.float64
+    assert not hugepages.advise(t)  # below MIN_BYTES
+    meta = torch.empty(64, 1024, 1024, device="meta")
+    assert not hugepages.advise(meta)
