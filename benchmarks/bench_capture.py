@@ -54,11 +54,11 @@ def alternate(*fns: Callable[[], object], rounds: int) -> list[float]:
 def small_pages(fn: Callable[[], object]) -> Callable[[], object]:
     """``fn`` with the huge-page advice of podmonitor's own buffers turned off."""
     def run() -> object:
-        hugepages.ENABLED = False
+        before, hugepages.ENABLED = hugepages.ENABLED, False
         try:
             return fn()
         finally:
-            hugepages.ENABLED = True
+            hugepages.ENABLED = before
     return run
 
 

@@ -1,8 +1,10 @@
 """Large CPU buffers backed by transparent huge pages where the system allows it.
 
 Every monitored batch materialises fresh (B, H, T, T) attention maps: at T = 1024 that is tens of
-MiB per layer, which the C allocator maps anew for each batch, and the first write then faults it
-in 4 KiB page by 4 KiB page. On Linux with transparent huge pages in ``madvise`` (or ``always``)
+MiB per layer. glibc maps buffers above its mmap threshold (which adapts, up to 32 MiB) anew for
+each allocation and unmaps them when freed, so the first write faults each one in, 4 KiB page by
+4 KiB page; smaller buffers are often reused from the heap, already faulted in, where the advice
+changes little. On Linux with transparent huge pages in ``madvise`` (or ``always``)
 mode, advising the buffer's interior as ``MADV_HUGEPAGE`` before it is written makes that 2 MiB
 pages: about 30x fewer faults, and writing a fresh 64 MiB buffer about 3x faster on the 2-core
 machines this project is measured on (``benchmarks/bench_capture.py`` compares both). This is
@@ -59,11 +61,13 @@ def _madvise():  # noqa: ANN202 (a ctypes function or None)
 def advise(t: torch.Tensor) -> bool:
     """Advise the whole huge pages inside ``t``'s memory as ``MADV_HUGEPAGE``; True if advised.
 
-    Call it before the memory is first written (pages already faulted in stay small).
+    Only contiguous CPU tensors of at least :data:`MIN_BYTES` (the bytes from ``data_ptr()`` on
+    are then exactly the tensor's). Call it before the memory is first written (pages already
+    faulted in stay small).
     """
     madvise = _madvise()
     nbytes = t.numel() * t.element_size()
-    if not ENABLED or madvise is None or t.device.type != "cpu" or nbytes < MIN_BYTES:
+    if not ENABLED or madvise is None or t.device.type != "cpu" or nbytes < MIN_BYTES or not t.is_contiguous():
         return False
     ptr = t.data_ptr()
     start = -(-ptr // HUGE_PAGE) * HUGE_PAGE  # the first huge-page boundary inside

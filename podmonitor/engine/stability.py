@@ -83,8 +83,9 @@ class StabilityReport:
         sink_mass_mean: mean over heads of ``sink_mass``.
         sink_mass_max: max over heads of ``sink_mass``.
         max_prob_layer: max over heads of ``max_prob``.
-        n_skipped_nonfinite: sequences skipped because their field held NaN or Inf (or an entry
-            so large that its p log p overflows: not a probability).
+        n_skipped_nonfinite: sequences skipped because their field held NaN or Inf (or, not
+            probabilities, entries so large that p log p, a float32 row sum or the float32 copy
+            of float64 fields overflows).
         status: "ok", or "empty" when no snapshot was usable.
         messages: what was excluded, and why.
     """

@@ -189,17 +189,24 @@ def _above_diagonal(T: int, device: torch.device) -> torch.Tensor:
     return torch.ones(T, T, dtype=torch.bool, device=device).triu(1)
 
 
+def _ordinary(*tensors: torch.Tensor) -> bool:
+    """Whether the capture's shortcuts (``out=`` buffers, in-place softmax) must give way to the
+    ordinary ops: autograd records, autocast would choose the dtype (it skips ``out=`` calls), or
+    ``torch.compile`` is tracing."""
+    return (torch.is_grad_enabled() or any(t.requires_grad for t in tensors)
+            or torch.is_autocast_enabled(tensors[0].device.type) or torch.compiler.is_compiling())
+
+
 def _scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """q k^T, (B, nh, T, hs) x (B, nh, T, hs) -> (B, nh, T, T); without autograd into a fresh
-    buffer advised as huge pages (:mod:`podmonitor.hugepages`: the same numbers, faulted in
-    several times faster on Linux CPUs)."""
-    if torch.is_grad_enabled() or q.requires_grad or k.requires_grad:
+    """q k^T, (..., T, hs) x (..., S, hs) -> (..., T, S); without autograd into a fresh buffer
+    advised as huge pages (:mod:`podmonitor.hugepages`: the same numbers, faulted in faster on
+    Linux CPUs)."""
+    if _ordinary(q, k):
         return q @ k.transpose(-2, -1)
-    b, nh, t, _ = q.shape
-    out = hugepages.empty((b, nh, t, k.shape[-2]), q.dtype, q.device)
+    out = hugepages.empty((*q.shape[:-1], k.shape[-2]), q.dtype, q.device)
     try:
         return torch.matmul(q, k.transpose(-2, -1), out=out)
-    except RuntimeError:  # forward-mode AD: out= is refused before anything is written
+    except RuntimeError:  # forward-mode AD, vmap: out= is refused before anything is written
         return q @ k.transpose(-2, -1)
 
 
@@ -208,15 +215,15 @@ def _softmax_rows(scores: torch.Tensor) -> torch.Tensor:
 
     In place the numbers are the same, and no second buffer of the scores' size is allocated and
     faulted in: at T = 1024 on a CPU this step takes about a third of the time (the capture of
-    ``attention_maps`` runs without gradients). With reverse-mode autograd, or forward-mode AD
-    (``torch.func.jvp`` even under ``no_grad``, which refuses ``out=`` before writing), it is the
-    ordinary out-of-place softmax.
+    ``attention_maps`` runs without gradients). With reverse-mode autograd, forward-mode AD
+    (``torch.func.jvp`` even under ``no_grad``, which refuses ``out=`` before writing), autocast
+    or ``torch.compile``, it is the ordinary out-of-place softmax.
     """
-    if torch.is_grad_enabled() or scores.requires_grad:
+    if _ordinary(scores):
         return F.softmax(scores, dim=-1)
     try:
         return torch.softmax(scores, dim=-1, out=scores)
-    except RuntimeError:  # forward-mode AD: out= is refused before anything is written
+    except RuntimeError:  # forward-mode AD, vmap: out= is refused before anything is written
         return F.softmax(scores, dim=-1)
 
 

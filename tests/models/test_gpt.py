@@ -280,3 +280,27 @@ def test_attention_without_gradients_is_the_same_as_with_them(variant: dict) -> 
     out_g, tan_g = torch.func.jvp(lambda z: attn(z, return_attention=True)[1], (x,), (v,))
     assert torch.equal(out_ng, out_g) and torch.equal(tan_ng, tan_g)
     assert tan_g.abs().max() > 0  # a real tangent
+
+
+def test_attention_under_autocast_vmap_and_compile_is_what_the_ordinary_ops_give() -> None:
+    """The capture's shortcuts (out= buffers, in-place softmax) give way where they would change
+    the result or fail: under autocast (which skips out= calls; on CUDA it would run the softmax
+    in float32, not run here) the maps are those of the ordinary ops; vmap and a full-graph
+    torch.compile without gradients (which cannot trace the huge-page set-up) work and agree with
+    the eager maps."""
+    model = make_model()
+    attn = model.transformer.h[0].attn
+    x = torch.randn(3, 8, 32, generator=torch.Generator().manual_seed(9))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.no_grad():
+            fast = attn(x, return_attention=True)[1]
+        plain = attn(x, return_attention=True)[1].detach()  # gradients on: the ordinary ops
+    assert fast.dtype == plain.dtype == torch.bfloat16
+    assert torch.equal(fast, plain)
+
+    with torch.no_grad():
+        eager = attn(x, return_attention=True)[1]
+        mapped = torch.func.vmap(lambda z: attn(z.unsqueeze(0), return_attention=True)[1].squeeze(0))(x)
+        compiled = torch.compile(lambda z: attn(z, return_attention=True)[1], backend="eager", fullgraph=True)(x)
+    torch.testing.assert_close(mapped, eager, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-7)
