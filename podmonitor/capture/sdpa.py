@@ -20,7 +20,7 @@ import inspect
 import math
 import sys
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -142,6 +142,22 @@ def _rows(t: Tensor | None, r0: int, r1: int) -> Tensor | None:
     return t[..., r0:r1, :]
 
 
+def _chunks(b: int, h: int, t: int, heads_per: int, rows_per: int) -> Iterator[tuple[int, int, int, int, int]]:
+    """``(sequence, h0, h1, r0, r1)`` of every chunk of the recomputation: heads [h0, h1) and query
+    rows [r0, r1) of one sequence."""
+    for bi in range(b):
+        for h0 in range(0, h, heads_per):
+            for r0 in range(0, t, rows_per):
+                yield bi, h0, min(h, h0 + heads_per), r0, min(t, r0 + rows_per)
+
+
+def _worst(errors: Tensor, diff: Tensor) -> Tensor:
+    """The running self-check error raised by a chunk's ``|A V - out| / max |V|`` (non-finite
+    entries, e.g. of rows whose output is itself not finite, ignored)."""
+    diff.masked_fill_(~torch.isfinite(diff), 0.0)
+    return torch.maximum(errors, diff.amax()) if diff.numel() else errors
+
+
 def recompute(call: SDPACall, output: Tensor, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Recomputed:
     """Recompute A of a 4-d self-attention call and self-check it against the call's ``output``.
 
@@ -205,42 +221,36 @@ def recompute(call: SDPACall, output: Tensor, chunk_bytes: int = DEFAULT_CHUNK_B
     buffer = torch.empty(heads_per * rows_per * t, dtype=work, device=q.device)  # one chunk's scores, reused
     cols = torch.arange(t, device=q.device)
     errors = torch.zeros((), dtype=work, device=q.device)
-    for bi in range(b):
-        for h0 in range(0, h, heads_per):
-            h1 = min(h, h0 + heads_per)
-            for r0 in range(0, t, rows_per):
-                r1 = min(t, r0 + rows_per)
-                scores = buffer[: (h1 - h0) * (r1 - r0) * t].view(h1 - h0, r1 - r0, t)
-                torch.matmul(qs[bi, h0:h1, r0:r1], kt[bi, h0:h1], out=scores)  # (h, c, T): q.k * scale
-                hidden: Tensor | None = None  # keys a query may not attend, broadcastable to (h, c, T)
-                if call.is_causal:
-                    hidden = cols[None, :] > torch.arange(r0, r1, device=q.device)[:, None]
-                rows_mask = None if mask4 is None else mask4[bi, h0:h1, r0:r1]
-                if rows_mask is not None:
-                    blocked_rows = ~rows_mask if rows_mask.dtype == torch.bool else rows_mask <= FLOAT_MASK_BLOCKS
-                    hidden = blocked_rows if hidden is None else hidden | blocked_rows
-                if hidden is not None:
-                    scores.masked_fill_(hidden, -math.inf)
-                lm = scores.amax(dim=(-2, -1)).float()  # (h,): over visible keys, before the mask's values
-                logit_max[bi, h0:h1] = torch.maximum(logit_max[bi, h0:h1], lm)
-                if rows_mask is not None and rows_mask.dtype != torch.bool:
-                    scores.add_(rows_mask.to(work))
-                target = probs[bi, h0:h1, r0:r1]  # contiguous
-                if work == torch.float32:
-                    a = torch.softmax(scores, dim=-1, out=target)
-                else:
-                    a = torch.softmax(scores, dim=-1)
-                    target.copy_(a)
-                dead = None if hidden is None else hidden.all(dim=-1, keepdim=True)  # rows with no visible key
-                if dead is not None and bool(dead.any()):
-                    target.masked_fill_(dead, 0.0)  # as SDPA's output for them: zero
-                    a = a.masked_fill(dead, 0.0)
-                diff = (a @ vw[bi, h0:h1]).sub_(out[bi, h0:h1, r0:r1].to(work)).abs_().div_(v_scale[bi, h0:h1])
-                if dead is not None:
-                    diff.masked_fill_(dead, 0.0)
-                diff.masked_fill_(~torch.isfinite(diff), 0.0)
-                if diff.numel():
-                    errors = torch.maximum(errors, diff.amax())
+    for bi, h0, h1, r0, r1 in _chunks(b, h, t, heads_per, rows_per):
+        scores = buffer[: (h1 - h0) * (r1 - r0) * t].view(h1 - h0, r1 - r0, t)
+        torch.matmul(qs[bi, h0:h1, r0:r1], kt[bi, h0:h1], out=scores)  # (h, c, T): q.k * scale
+        hidden: Tensor | None = None  # keys a query may not attend, broadcastable to (h, c, T)
+        if call.is_causal:
+            hidden = cols[None, :] > torch.arange(r0, r1, device=q.device)[:, None]
+        rows_mask = None if mask4 is None else mask4[bi, h0:h1, r0:r1]
+        if rows_mask is not None:
+            blocked_rows = ~rows_mask if rows_mask.dtype == torch.bool else rows_mask <= FLOAT_MASK_BLOCKS
+            hidden = blocked_rows if hidden is None else hidden | blocked_rows
+        if hidden is not None:
+            scores.masked_fill_(hidden, -math.inf)
+        lm = scores.amax(dim=(-2, -1)).float()  # (h,): over visible keys, before the mask's values
+        logit_max[bi, h0:h1] = torch.maximum(logit_max[bi, h0:h1], lm)
+        if rows_mask is not None and rows_mask.dtype != torch.bool:
+            scores.add_(rows_mask.to(work))
+        target = probs[bi, h0:h1, r0:r1]  # contiguous
+        if work == torch.float32:
+            a = torch.softmax(scores, dim=-1, out=target)
+        else:
+            a = torch.softmax(scores, dim=-1)
+            target.copy_(a)
+        dead = None if hidden is None else hidden.all(dim=-1, keepdim=True)  # rows with no visible key
+        if dead is not None and bool(dead.any()):
+            target.masked_fill_(dead, 0.0)  # as SDPA's output for them: zero
+            a = a.masked_fill(dead, 0.0)
+        diff = (a @ vw[bi, h0:h1]).sub_(out[bi, h0:h1, r0:r1].to(work)).abs_().div_(v_scale[bi, h0:h1])
+        if dead is not None:
+            diff.masked_fill_(dead, 0.0)
+        errors = _worst(errors, diff)
     error = float(errors)
     return Recomputed(probs=probs, logit_max=logit_max, error=error, padded=padded, causal=causal)
 
@@ -270,23 +280,17 @@ def _recompute_causal(qs: Tensor, kt: Tensor, vw: Tensor, out: Tensor, v_scale: 
     buffer = torch.empty(heads_per * rows_per * t, dtype=work, device=qs.device)  # one block's scores, reused
     upper = torch.ones(rows_per, rows_per, dtype=torch.bool, device=qs.device).triu(1)  # j > i in a square
     errors = torch.zeros((), dtype=work, device=qs.device)
-    for bi in range(b):
-        for h0 in range(0, h, heads_per):
-            h1 = min(h, h0 + heads_per)
-            for r0 in range(0, t, rows_per):
-                r1 = min(t, r0 + rows_per)
-                scores = buffer[: (h1 - h0) * (r1 - r0) * r1].view(h1 - h0, r1 - r0, r1)
-                torch.matmul(qs[bi, h0:h1, r0:r1], kt[bi, h0:h1, :, :r1], out=scores)  # (h, c, r1)
-                scores[..., r0:r1].masked_fill_(upper[: r1 - r0, : r1 - r0], -math.inf)
-                lm = scores.amax(dim=(-2, -1)).float()  # (h,): over visible keys
-                logit_max[bi, h0:h1] = torch.maximum(logit_max[bi, h0:h1], lm)
-                a = torch.softmax(scores, dim=-1, out=scores)
-                probs[bi, h0:h1, r0:r1, :r1].copy_(a)
-                probs[bi, h0:h1, r0:r1, r1:].zero_()
-                diff = (a @ vw[bi, h0:h1, :r1]).sub_(out[bi, h0:h1, r0:r1].to(work)).abs_().div_(v_scale[bi, h0:h1])
-                diff.masked_fill_(~torch.isfinite(diff), 0.0)
-                if diff.numel():
-                    errors = torch.maximum(errors, diff.amax())
+    for bi, h0, h1, r0, r1 in _chunks(b, h, t, heads_per, rows_per):
+        scores = buffer[: (h1 - h0) * (r1 - r0) * r1].view(h1 - h0, r1 - r0, r1)
+        torch.matmul(qs[bi, h0:h1, r0:r1], kt[bi, h0:h1, :, :r1], out=scores)  # (h, c, r1)
+        scores[..., r0:r1].masked_fill_(upper[: r1 - r0, : r1 - r0], -math.inf)
+        lm = scores.amax(dim=(-2, -1)).float()  # (h,): over visible keys
+        logit_max[bi, h0:h1] = torch.maximum(logit_max[bi, h0:h1], lm)
+        a = torch.softmax(scores, dim=-1, out=scores)
+        probs[bi, h0:h1, r0:r1, :r1].copy_(a)
+        probs[bi, h0:h1, r0:r1, r1:].zero_()
+        diff = (a @ vw[bi, h0:h1, :r1]).sub_(out[bi, h0:h1, r0:r1].to(work)).abs_().div_(v_scale[bi, h0:h1])
+        errors = _worst(errors, diff)
     return float(errors)
 
 
