@@ -904,13 +904,12 @@ def _picture_names(log_images: bool | Sequence[str]) -> tuple[str, ...] | None:
         raise ValueError(f"log_images must be True, False or a list of picture names, got {log_images!r}")
     if not isinstance(log_images, Sequence | set | frozenset):
         return None if log_images else ()  # (a flag: True, False, None, numpy booleans)
-    from .reporting.figures import PICTURES  # (matplotlib: only when pictures are chosen by name)
+    from .reporting.figures import check_pictures  # (matplotlib: only when pictures are chosen by name)
 
-    names = tuple(dict.fromkeys(n for n in log_images if isinstance(n, str)))
-    unknown = [n for n in log_images if not isinstance(n, str) or n not in PICTURES]
-    if unknown:
-        raise ValueError(f"log_images: unknown picture(s) {unknown}; choose from {list(PICTURES)}")
-    return names
+    try:
+        return check_pictures(log_images)
+    except ValueError as err:
+        raise ValueError(f"log_images: {err}") from None
 
 
 def _replace(config: PODConfig, **changes: Any) -> PODConfig:

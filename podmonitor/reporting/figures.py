@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import sys
 import textwrap
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -37,6 +37,7 @@ from ..engine.report import PODReport, ScaleReport
 __all__ = [
     "LAYER_PICTURES",
     "PICTURES",
+    "check_pictures",
     "coherency_figure",
     "figure_to_array",
     "head_allocation_figure",
@@ -60,6 +61,20 @@ LAYER_PICTURES = ("scalogram", "mean_scalogram", "spectrum", "modes", "coherency
 #: Every picture of a monitored run: the scale organisation over depth, each layer's pictures, and
 #: the layers x validation-steps heatmaps of the headline trends (tags ``<prefix>/trend/<metric>``).
 PICTURES = ("scale_organisation", *LAYER_PICTURES, "trend")
+
+
+def check_pictures(names: Iterable[object]) -> tuple[str, ...]:
+    """``names`` as picture names (order kept, repeats dropped), each one checked against
+    :data:`PICTURES`.
+
+    Raises:
+        ValueError: a name that is not in :data:`PICTURES` (or is not a string).
+    """
+    names = list(names)
+    unknown = [n for n in names if not isinstance(n, str) or n not in PICTURES]
+    if unknown:
+        raise ValueError(f"unknown picture(s) {unknown}; choose from {list(PICTURES)}")
+    return tuple(dict.fromkeys(n for n in names if isinstance(n, str)))  # (all of them, checked above)
 
 
 # --------------------------------------------------------------------------------------------
@@ -697,9 +712,7 @@ def draw_run_pictures(prefix: str, reports: Mapping[str, PODReport], present: Se
     Raises:
         ValueError: an unknown name in ``which``.
     """
-    unknown = set(which) - set(PICTURES)
-    if unknown:
-        raise ValueError(f"unknown picture(s) {sorted(unknown)}; choose from {list(PICTURES)}")
+    which = check_pictures(which)
     layer_reports = [reports[n] for n in present]
     pictures: dict[str, np.ndarray] = {}
     if not layer_reports:

@@ -17,7 +17,7 @@ from typing import Any
 from ..engine.report import PODReport
 from ..extras import ExtraResult
 from .delivery import Outputs
-from .figures import PICTURES, draw_run_pictures
+from .figures import PICTURES, check_pictures, draw_run_pictures
 from .metrics import RUN_METRICS, LogPolicy, glossary_markdown, glossary_rows, registry
 from .scalars import layer_scalars, metric_tags, summary_markdown, summary_table
 from .sinks import read_json_lines, strict_jsonable
@@ -73,10 +73,7 @@ class Publisher:
                  warning: type[Warning] = UserWarning, strict: bool = False, background: bool = True,
                  pictures: Sequence[str] = PICTURES) -> None:
         self.out_dir = out_dir
-        unknown = [n for n in pictures if n not in PICTURES]
-        if unknown:
-            raise ValueError(f"unknown picture(s) {unknown}; choose from {list(PICTURES)}")
-        self.pictures = tuple(pictures)
+        self.pictures = check_pictures(pictures)
         self.prefix = prefix
         self.run_id = run_id
         # pictures and sinks run on a worker thread (the JSON-lines record is written at once);
