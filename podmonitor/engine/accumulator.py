@@ -30,6 +30,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .. import hugepages
 from .analysis import analyse
 from .budget import (
     MemoryBudgetError,
@@ -287,8 +288,8 @@ class PODAccumulator:
             return 0
         seq_len = x.shape[1]
         device = self._device if self._device is not None else x.device
-        upper = max_above_diagonal(x)
         causal = self.causal
+        upper = 0.0 if causal is False else max_above_diagonal(x)  # (bidirectional: no need to look)
         if causal is None:
             causal = upper == 0
         elif causal and upper > 0:
@@ -378,8 +379,9 @@ class PODAccumulator:
         tol = normalisation_tol(x.dtype)
         # the batch's lag-band entries, handed to the store in parts of the size it asks for
         rows_per_feed, rows_dtype = self.store.feed(n_b, step, x.dtype)
-        # (zeroed first: writing fresh pages inside the multi-threaded gather is several times slower)
-        rows_buf = torch.zeros(rows_per_feed, self.band.size, dtype=rows_dtype, device=dev)
+        # (zeroed first: writing fresh pages inside the multi-threaded gather is several times
+        # slower; as huge pages where the system allows, 512 times fewer faults)
+        rows_buf = hugepages.empty((rows_per_feed, self.band.size), dtype=rows_dtype, device=dev).zero_()
         index = self.band.flat_index.to(dev).unsqueeze(0)
         filled = 0
         for start in range(0, n_b, step):

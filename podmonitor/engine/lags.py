@@ -413,6 +413,12 @@ def mean_attention_distance(mean_field: Tensor) -> float:
     return float((mean_field * dist).sum(-1).mean())
 
 
+#: Row blocks of the causal entropy pass (:func:`row_entropy`): fewer blocks evaluate a few more
+#: zeros above the diagonal (p log p = 0 there, so the sums are the same bit for bit) in fewer,
+#: larger operations (at L = 1024 on 2 cores 8 blocks take less time per field than 16).
+ENTROPY_BLOCKS = 8
+
+
 def plogp_(p: Tensor, out: Tensor) -> Tensor:
     """``p log p`` of finite probabilities ``p >= 0`` into ``out`` (same shape), 0 where p = 0.
 
@@ -450,7 +456,7 @@ def row_entropy(fields: Tensor, causal: bool, has_negative: bool | None = None,
     p = fields.clamp_min(0) if has_negative else fields
     if upper_is_zero and seq_len >= BLOCKS_FROM:
         plogp = p.new_zeros(p.shape) if work is None else work.view(-1)[:p.numel()].view(p.shape)
-        edges = _panel_edges(seq_len, min(16, seq_len))
+        edges = _panel_edges(seq_len, min(ENTROPY_BLOCKS, seq_len))
         for r0, r1 in zip(edges, edges[1:], strict=False):
             if r1 > r0:  # rows r0..r1 have their keys below r1; beyond, plogp holds zeros
                 block = p[..., r0:r1, :r1]

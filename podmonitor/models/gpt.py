@@ -215,9 +215,10 @@ def _softmax_rows(scores: torch.Tensor) -> torch.Tensor:
 
     In place the numbers are the same, and no second buffer of the scores' size is allocated and
     faulted in, which is much of this step's cost at long contexts on a CPU (the capture of
-    ``attention_maps`` runs without gradients; ``bench_validation_run.py`` times the capture). With reverse-mode autograd, forward-mode AD
-    (``torch.func.jvp`` even under ``no_grad``, which refuses ``out=`` before writing), autocast
-    or ``torch.compile``, it is the ordinary out-of-place softmax.
+    ``attention_maps`` runs without gradients; ``bench_validation_run.py`` times the capture).
+    With reverse-mode autograd, forward-mode AD (``torch.func.jvp`` even under ``no_grad``, which
+    refuses ``out=`` before writing), autocast or ``torch.compile``, it is the ordinary out-of-place
+    softmax.
     """
     if _ordinary(scores):
         return F.softmax(scores, dim=-1)
