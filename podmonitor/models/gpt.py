@@ -210,6 +210,41 @@ def _scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         return q @ k.transpose(-2, -1)
 
 
+#: rows per block of the causal scaling and masking without autograd (:func:`_scale_and_mask`)
+MASK_ROWS = 128
+
+
+def _scale_and_mask(scores: torch.Tensor, scale: float, log_g: torch.Tensor | None) -> torch.Tensor:
+    """``scores * scale (+ log_g)`` with ``-inf`` where the key is later than the query, in place:
+    scores (..., T, T), log_g broadcastable to them ((B, nh, T|1, T)) or None.
+
+    With autograd, autocast or ``torch.compile`` these are the ordinary whole-tensor ops. Otherwise
+    the work goes in blocks of :data:`MASK_ROWS` query rows: rows ``[r0, r1)`` are scaled (and
+    gated) on the keys ``[0, r1)`` they can see, the diagonal block is masked, and the keys right
+    of ``r1`` are set to ``-inf`` without being scaled first. Every entry gets the value the
+    whole-tensor ops give it (the same element-wise operations, or ``-inf`` in both), while the
+    entries right of the blocks (about 44 % of them at T = 1024) are only written, not first
+    scaled, gated and then masked.
+    """
+    T = scores.size(-1)
+    if _ordinary(scores):
+        scores.mul_(scale)
+        if log_g is not None:
+            scores.add_(log_g)
+        return scores.masked_fill_(_above_diagonal(T, scores.device), float("-inf"))
+    upper = _above_diagonal(min(T, MASK_ROWS), scores.device)
+    for r0 in range(0, T, MASK_ROWS):
+        r1 = min(T, r0 + MASK_ROWS)
+        seen = scores[..., r0:r1, :r1]  # (..., rows, r1): the keys rows r0..r1-1 can see
+        seen.mul_(scale)
+        if log_g is not None:
+            seen.add_(log_g[..., :r1] if log_g.size(-2) == 1 else log_g[..., r0:r1, :r1])
+        seen[..., r0:r1].masked_fill_(upper[: r1 - r0, : r1 - r0], float("-inf"))
+        if r1 < T:
+            scores[..., r0:r1, r1:].fill_(float("-inf"))
+    return scores
+
+
 def _softmax_rows(scores: torch.Tensor) -> torch.Tensor:
     """softmax over the last dimension of ``scores`` (..., T), in place when nothing differentiates.
 
@@ -314,10 +349,8 @@ class CausalSelfAttention(nn.Module):
         # in place where the value is the same: one (B, nh, T, T) buffer for the scores and one for
         # the probabilities (each out-of-place step would allocate and fault in another)
         att = _scores(q, k)  # (B, nh, T, T)
-        att.mul_(1.0 / math.sqrt(k.size(-1)))
-        if log_g is not None:
-            att.add_(log_g)  # softmax(s + log g) = A g / sum(A g)
-        att.masked_fill_(_above_diagonal(T, x.device), float("-inf"))
+        # scaled, gated (softmax(s + log g) = A g / sum(A g)) and causally masked
+        att = _scale_and_mask(att, 1.0 / math.sqrt(k.size(-1)), log_g)
         att = _softmax_rows(att)  # (B, nh, T, T), rows sum to 1
         y = self.attn_dropout(att) @ v  # (B, nh, T, T) x (B, nh, T, hs) -> (B, nh, T, hs)
         return self.merge_heads(self.apply_head_mask(y)), att

@@ -282,6 +282,26 @@ def test_attention_without_gradients_is_the_same_as_with_them(variant: dict) -> 
     assert tan_g.abs().max() > 0  # a real tangent
 
 
+@pytest.mark.parametrize("variant", VARIANTS, ids=IDS)
+def test_blocked_masking_without_gradients_gives_the_ordinary_maps(variant: dict) -> None:
+    """Longer than one block of query rows (MASK_ROWS), and not a multiple of it: without autograd
+    the scores are scaled, gated and masked block by block (keys right of a block only set to
+    -inf); the maps are the same bits as those of the whole-tensor ops that run while gradients
+    are recorded, and every row is a causal distribution."""
+    from podmonitor.models import gpt
+
+    t = 2 * gpt.MASK_ROWS + 37
+    model = make_model(block_size=t, n_layer=2, **variant)
+    idx = torch.randint(0, 65, (2, t), generator=torch.Generator().manual_seed(11))
+    with torch.no_grad():
+        _, _, fast = model(idx, return_attention=True)
+    _, _, plain = model(idx, return_attention=True)
+    for a, b in zip(fast, plain, strict=True):
+        assert torch.equal(a, b.detach())
+        assert torch.count_nonzero(a.triu(1)) == 0
+        torch.testing.assert_close(a.sum(-1), torch.ones(a.shape[:-1]), rtol=0, atol=1e-5)
+
+
 def test_attention_under_autocast_vmap_and_compile_is_what_the_ordinary_ops_give() -> None:
     """The capture's shortcuts (out= buffers, in-place softmax) give way where they would change
     the result or fail: under autocast (which skips out= calls; on CUDA it would run the softmax
