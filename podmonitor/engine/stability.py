@@ -48,13 +48,28 @@ def _row_blocks(first: int, t: int, causal: bool) -> list[tuple[int, int, int]]:
             for r0 in range(first, t, ROWS_PER_BLOCK)]
 
 
+#: the signed integer type of each floating element size, to read a float's sign bit
+_SAME_WIDTH_INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 def _right_of_blocks_zero(fields: Tensor, blocks: list[tuple[int, int, int]]) -> bool:
     """Whether every key right of the causal row blocks (rows ``[r0, r1)``, keys ``k..T-1``) is
-    zero in the whole (B, H, T, T) batch (NaN: not zero); one transfer for the batch."""
+    +0 in the whole (B, H, T, T) batch; one transfer for the batch.
+
+    Two plain reductions per strided view instead of a comparison of every entry (about 20 %
+    faster than ``count_nonzero`` at T = 1024): no entry has its sign bit set (the integer view of
+    the same bits is >= 0: every entry is +0, positive, +inf or a NaN without sign), and their sum
+    is 0, which entries of one sign reach only when all are +0 (NaN or inf make it non-zero). A -0
+    therefore counts as not zero; the caller then sums those keys too, which changes nothing.
+    """
     t = fields.shape[-1]
-    # one pass per strided view (count_nonzero counts NaN; about 2.5x faster than amin and amax)
-    counts = [torch.count_nonzero(seq[:, r0:r1, k:]) for seq in fields for r0, r1, k in blocks if k < t]
-    return not counts or int(torch.stack(counts).sum()) == 0
+    views = [fields[:, :, r0:r1, k:] for r0, r1, k in blocks if k < t]
+    if not views:
+        return True
+    bits = _SAME_WIDTH_INT[fields.element_size()]
+    signed = torch.stack([v.view(bits).amin() for v in views]).amin() < 0
+    total = torch.stack([v.sum() for v in views]).sum()
+    return not bool(signed | (total != 0))
 
 
 def _finite_or_none(x: float | None) -> float | None:

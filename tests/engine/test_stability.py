@@ -241,6 +241,34 @@ def test_stability_mass_above_the_diagonal_of_a_field_declared_causal_still_coun
     np.testing.assert_allclose(rep.mean_row_max, a[:, 1:, :].max(-1).mean(-1), rtol=1e-6)
 
 
+@pytest.mark.parametrize("above", ["cancelling", "negative zero", "nan", "tiny"])
+def test_stability_entries_above_the_diagonal_are_never_taken_for_zeros(above) -> None:
+    """A field declared causal whose entries above the diagonal sum to zero without being zeros
+    (+x and -x), are -0, NaN or a tiny denormal: the sums are still those over every key, as the
+    literal formula gives them (NaN: the sequence is skipped)."""
+    f = random_fields(2, 2, 150, causal=True, seed=7)
+    if above == "cancelling":
+        f[0, 1, 70, 140], f[0, 1, 70, 141] = 0.25, -0.25
+    elif above == "negative zero":
+        f[0, 1, 70, 140] = -0.0
+    elif above == "nan":
+        f[1, 0, 3, 149] = float("nan")
+    else:
+        f[0, 1, 70, 140] = 1e-44
+    acc = StabilityAccumulator()
+    acc.update(f, causal=True)
+    rep = acc.compute()
+    used = f[:1] if above == "nan" else f
+    assert acc.n_skipped_nonfinite == (1 if above == "nan" else 0)
+    a = used.double().numpy()  # (B, H, T, T)
+    # p log p as plogp_ defines it, log(max(p, tiny)) * p: 0 at p = 0 (and, for the invalid
+    # negative entry, log(tiny) * p)
+    plogp = a * np.log(np.maximum(a, np.finfo(np.float32).tiny))
+    ent = (-plogp[:, :, 1:, :].sum(-1) / np.log(np.arange(2, 151))).mean(axis=(0, 2))
+    np.testing.assert_allclose(rep.entropy, ent, rtol=1e-6)
+    np.testing.assert_allclose(rep.mean_row_max, a[:, :, 1:, :].max(-1).mean(axis=(0, 2)), rtol=1e-6)
+
+
 def test_plogp_matches_float64_p_log_p_and_is_zero_at_zero() -> None:
     """The fast p log p against the literal formula in float64: within float32 rounding, 0 at p = 0."""
     torch.manual_seed(0)
