@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from lightning.pytorch import LightningModule, Trainer
 
+from . import hugepages
 from .callback_base import MonitorCallback
 from .capture import CaptureAdapter, CapturedAttention, select_adapter
 from .distributed import all_gather_ints, all_gather_object, global_rank, is_distributed, share_quota, world_size
@@ -275,6 +276,10 @@ class PODMonitor(MonitorCallback):
         self._budget_hit = False
         self._capture_seconds = 0.0
         self._accumulate_seconds = 0.0
+        # the captures' large map buffers, kept mapped from one batch to the next while nobody
+        # else holds them (hugepages.BufferPool: no page faults for every batch's fresh maps)
+        self._map_pool = hugepages.BufferPool()
+        self._pool_before: hugepages.BufferPool | None = None  # the thread's pool outside the capture
 
     def _handle(self, where: str, err: BaseException) -> None:
         """One clear warning (or a re-raise when strict); this rank stops capturing for this run
@@ -295,6 +300,8 @@ class PODMonitor(MonitorCallback):
         warnings.warn(msg, PODMonitorWarning, stacklevel=3)
 
     def _stop_capture(self) -> None:
+        if self._capturing:
+            hugepages.set_pool(self._pool_before)
         if self._adapter is not None and self._capturing:
             try:
                 self._adapter.stop()
@@ -391,16 +398,21 @@ class PODMonitor(MonitorCallback):
 
     def on_validation_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any,
                                   batch_idx: int, dataloader_idx: int = 0) -> None:
-        if not self._monitoring or not self._quota_open or dataloader_idx != self.dataloader_idx or self._budget_hit:
-            return
-        if not self._quota_shared and self._taken >= self._per_rank_target(trainer):
+        if dataloader_idx != self.dataloader_idx or not self._wants_more(trainer):
             return
         assert self._adapter is not None
         try:
             self._capturing = True
+            self._pool_before = hugepages.set_pool(self._map_pool)  # until _stop_capture
             self._adapter.start(pl_module)
         except Exception as err:  # noqa: BLE001
             self._handle("attaching the attention capture", err)
+
+    def _wants_more(self, trainer: Trainer) -> bool:
+        """Whether this rank captures more batches in this run."""
+        if not self._monitoring or not self._quota_open or self._budget_hit:
+            return False
+        return self._quota_shared or self._taken < self._per_rank_target(trainer)
 
     def on_validation_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                                 batch_idx: int, dataloader_idx: int = 0) -> None:
@@ -431,6 +443,8 @@ class PODMonitor(MonitorCallback):
             except Exception as err:  # noqa: BLE001
                 self._handle("accumulating attention fields", err)
         self._accumulate_seconds += time.perf_counter() - t1
+        if not self._wants_more(trainer):
+            self._map_pool.clear()  # no more maps this run: their memory goes back now
         if self._monitored_run:
             for extra in self.extras:  # after the capture is off: extras may run forward passes
                 self._call_extra(extra, "on_batch", trainer, pl_module, batch, batch_idx, outputs)

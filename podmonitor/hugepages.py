@@ -16,14 +16,25 @@ GPU tensor, a small buffer, THP disabled) :func:`empty` is ``torch.empty``. Wher
 THP ``defrag`` setting is ``madvise`` (a common default) it may compact memory to find a huge
 page for an advised buffer; on a machine whose memory is badly fragmented that can cost more than
 it saves, and ``podmonitor.hugepages.ENABLED = False`` turns the advice off.
+
+Faulting fresh memory in costs time even with huge pages (the kernel zeroes every page it hands
+out). A :class:`BufferPool` keeps the buffers :func:`empty` handed out mapped between uses: while
+a pool is in use in a thread (:func:`set_pool`, :func:`use_pool`), :func:`empty` gives out a
+buffer of the same size that no tensor refers to any longer, already faulted in, instead of
+mapping a new one. PODMonitor uses one during each monitored batch's capture, so that the maps of
+the next batch are written into those of the last one once nobody holds them; it drops the pool
+when the run takes no more maps.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import mmap
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from functools import lru_cache
 
 import torch
@@ -75,13 +86,89 @@ def advise(t: torch.Tensor) -> bool:
     return stop > start and madvise(start, stop - start, _MADV_HUGEPAGE) == 0
 
 
+class BufferPool:
+    """Large CPU buffers kept mapped between uses (see the module docstring); not thread-safe: one
+    pool serves the thread that uses it (:func:`use_pool`).
+
+    Each buffer is an anonymous ``mmap``; the tensors :func:`empty` makes of it hold a reference
+    to it (``torch.frombuffer``), views and copies of their storage included, so a buffer is free
+    exactly when only the pool refers to it. Its memory is returned to the system when the pool
+    (or :meth:`clear`) drops it and no tensor refers to it any more.
+
+    Example:
+        >>> pool = BufferPool()
+        >>> with use_pool(pool):
+        ...     maps = empty((2, 12, 1024, 1024))  # a new buffer
+        >>> del maps
+        >>> with use_pool(pool):
+        ...     maps = empty((2, 12, 1024, 1024))  # the same memory, already faulted in
+    """
+
+    def __init__(self) -> None:
+        self._buffers: list[mmap.mmap] = []
+
+    def take(self, nbytes: int) -> tuple[mmap.mmap, bool]:
+        """A buffer of exactly ``nbytes`` that no tensor refers to; ``(buffer, True)`` when it
+        is new (not yet written: advise it before the first write)."""
+        for i in range(len(self._buffers)):
+            # references: the list's and getrefcount's argument; a tensor of it adds one
+            if len(self._buffers[i]) == nbytes and sys.getrefcount(self._buffers[i]) <= 2:
+                return self._buffers[i], False
+        buf = mmap.mmap(-1, nbytes)
+        self._buffers.append(buf)
+        return buf, True
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes mapped by the pool's buffers, in use or free."""
+        return sum(len(b) for b in self._buffers)
+
+    def clear(self) -> None:
+        """Drop every buffer (those still in use live on with their tensors)."""
+        self._buffers = []
+
+
+_local = threading.local()
+
+
+def set_pool(pool: BufferPool | None) -> BufferPool | None:
+    """Make ``pool`` (None: no pool) the one :func:`empty` uses in this thread; returns the
+    previous one."""
+    previous = getattr(_local, "pool", None)
+    _local.pool = pool
+    return previous
+
+
+@contextmanager
+def use_pool(pool: BufferPool | None) -> Iterator[BufferPool | None]:
+    """:func:`set_pool` for the ``with`` block, the previous pool restored after it."""
+    previous = set_pool(pool)
+    try:
+        yield pool
+    finally:
+        set_pool(previous)
+
+
 def empty(shape: Sequence[int], dtype: torch.dtype = torch.float32,
           device: torch.device | str | None = None) -> torch.Tensor:
     """``torch.empty(shape, dtype=dtype, device=device)``, its interior advised as huge pages
-    (:func:`advise`) when it is a large CPU buffer."""
+    (:func:`advise`) when it is a large CPU buffer; from the pool in use in this thread
+    (:func:`use_pool`) when there is one and the buffer is large and on the CPU."""
+    pool: BufferPool | None = getattr(_local, "pool", None)
+    if pool is not None and torch.device(device or "cpu").type == "cpu":
+        numel = 1
+        for n in shape:
+            numel *= int(n)
+        nbytes = numel * dtype.itemsize
+        if nbytes >= MIN_BYTES:
+            buf, new = pool.take(nbytes)
+            t = torch.frombuffer(buf, dtype=dtype, count=numel).view(tuple(shape))
+            if new:
+                advise(t)
+            return t
     t = torch.empty(tuple(shape), dtype=dtype, device=device)
     advise(t)
     return t
 
 
-__all__ = ["ENABLED", "HUGE_PAGE", "MIN_BYTES", "advise", "empty"]
+__all__ = ["ENABLED", "HUGE_PAGE", "MIN_BYTES", "BufferPool", "advise", "empty", "set_pool", "use_pool"]

@@ -75,3 +75,51 @@ def test_small_buffers_and_other_devices_are_plain_empty_tensors():
     assert not hugepages.advise(meta)
     strided = torch.empty(1024, 4096)[:, ::2]  # 8 MiB of values spread over 16 MiB: not advised
     assert not hugepages.advise(strided)
+
+
+SHAPE = (4, 1024, 1024)  # 16 MiB of float32: at least MIN_BYTES, so the pool serves it
+
+
+def test_a_pool_reuses_a_buffer_only_once_no_tensor_refers_to_it():
+    pool = hugepages.BufferPool()
+    with hugepages.use_pool(pool):
+        a = hugepages.empty(SHAPE)
+        a.fill_(1.0)
+        ptr = a.data_ptr()
+        view = a[1]  # a view of the buffer outlives the tensor it came from
+        del a
+        b = hugepages.empty(SHAPE)
+        assert b.data_ptr() != ptr
+        b.fill_(2.0)
+        assert bool((view == 1.0).all())  # what a holder of the old maps sees is left alone
+        del view
+        c = hugepages.empty(SHAPE)
+        assert c.data_ptr() == ptr  # nobody refers to it any more: the same memory again
+        assert tuple(c.shape) == SHAPE and c.dtype == torch.float32 and c.is_contiguous()
+        wide = hugepages.empty((2, 1024, 1024), torch.float64)  # another size: another buffer
+        assert wide.data_ptr() not in (ptr, b.data_ptr())
+        small = hugepages.empty((8, 8))  # below MIN_BYTES: an ordinary tensor, not the pool's
+    assert pool.nbytes == 3 * 16 * 2**20 and small.numel() == 64
+    outside = hugepages.empty(SHAPE)  # after the block: no pool
+    assert outside.data_ptr() not in (ptr, b.data_ptr())
+    pool.clear()
+    assert pool.nbytes == 0
+    c.fill_(3.0)  # a tensor still in use keeps its memory after the pool dropped it
+    assert bool((c == 3.0).all()) and bool((b == 2.0).all())
+
+
+def test_a_pool_serves_only_the_thread_that_set_it_and_use_pool_restores_the_previous():
+    import threading
+
+    pool, inner = hugepages.BufferPool(), hugepages.BufferPool()
+    with hugepages.use_pool(pool):
+        made: list[torch.Tensor] = []
+        worker = threading.Thread(target=lambda: made.append(hugepages.empty(SHAPE)))
+        worker.start()
+        worker.join()
+        assert made and pool.nbytes == 0  # the other thread had no pool
+        with hugepages.use_pool(inner):
+            hugepages.empty(SHAPE)
+        hugepages.empty(SHAPE)
+    assert inner.nbytes == pool.nbytes == 16 * 2**20
+    assert hugepages.set_pool(None) is None  # nothing left set in this thread
