@@ -279,7 +279,6 @@ class PODMonitor(MonitorCallback):
         # the captures' large map buffers, kept mapped from one batch to the next while nobody
         # else holds them (hugepages.BufferPool: no page faults for every batch's fresh maps)
         self._map_pool = hugepages.BufferPool()
-        self._pool_before: hugepages.BufferPool | None = None  # the thread's pool outside the capture
 
     def _handle(self, where: str, err: BaseException) -> None:
         """One clear warning (or a re-raise when strict); this rank stops capturing for this run
@@ -301,7 +300,7 @@ class PODMonitor(MonitorCallback):
 
     def _stop_capture(self) -> None:
         if self._capturing:
-            hugepages.set_pool(self._pool_before)
+            hugepages.remove_pool(self._map_pool)
         if self._adapter is not None and self._capturing:
             try:
                 self._adapter.stop()
@@ -403,7 +402,7 @@ class PODMonitor(MonitorCallback):
         assert self._adapter is not None
         try:
             self._capturing = True
-            self._pool_before = hugepages.set_pool(self._map_pool)  # until _stop_capture
+            hugepages.push_pool(self._map_pool)  # until _stop_capture
             self._adapter.start(pl_module)
         except Exception as err:  # noqa: BLE001
             self._handle("attaching the attention capture", err)

@@ -19,7 +19,7 @@ it saves, and ``podmonitor.hugepages.ENABLED = False`` turns the advice off.
 
 Faulting fresh memory in costs time even with huge pages (the kernel zeroes every page it hands
 out). A :class:`BufferPool` keeps the buffers :func:`empty` handed out mapped between uses: while
-a pool is in use in a thread (:func:`set_pool`, :func:`use_pool`), :func:`empty` gives out a
+a pool is in use in a thread (:func:`push_pool`, :func:`use_pool`), :func:`empty` gives out a
 buffer of the same size that no tensor refers to any longer, already faulted in, instead of
 mapping a new one. PODMonitor uses one during each monitored batch's capture, so that the maps of
 the next batch are written into those of the last one once nobody holds them; it drops the pool
@@ -86,14 +86,32 @@ def advise(t: torch.Tensor) -> bool:
     return stop > start and madvise(start, stop - start, _MADV_HUGEPAGE) == 0
 
 
-class BufferPool:
-    """Large CPU buffers kept mapped between uses (see the module docstring); not thread-safe: one
-    pool serves the thread that uses it (:func:`use_pool`).
+def _anonymous_map(nbytes: int) -> mmap.mmap:
+    """A private anonymous mapping of ``nbytes`` (MAP_PRIVATE where the platform has it: a shared
+    anonymous mapping is shared memory, which huge pages usually do not back)."""
+    if hasattr(mmap, "MAP_PRIVATE") and hasattr(mmap, "MAP_ANONYMOUS"):
+        return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return mmap.mmap(-1, nbytes)
 
-    Each buffer is an anonymous ``mmap``; the tensors :func:`empty` makes of it hold a reference
-    to it (``torch.frombuffer``), views and copies of their storage included, so a buffer is free
-    exactly when only the pool refers to it. Its memory is returned to the system when the pool
-    (or :meth:`clear`) drops it and no tensor refers to it any more.
+
+def _idle_references() -> int:
+    """What ``sys.getrefcount`` reads for a buffer held by a list alone (measured, not assumed:
+    interpreters differ in what they count)."""
+    held = [_anonymous_map(mmap.PAGESIZE)]
+    count = sys.getrefcount(held[0])
+    held[0].close()
+    return count
+
+
+class BufferPool:
+    """Large CPU buffers kept mapped between uses (see the module docstring); not thread-safe: a
+    pool serves the thread that uses it (:func:`push_pool`, :func:`use_pool`).
+
+    Each buffer is a private anonymous ``mmap``; the tensors :func:`empty` makes of it hold a
+    reference to it (``torch.frombuffer``: the storage holds it, so every view and alias of the
+    tensor does), and a buffer is free exactly when only the pool refers to it. Its memory is
+    returned to the system when the pool (or :meth:`clear`) drops it and no tensor refers to it
+    any more. Pool tensors cannot be resized (``resize_`` raises).
 
     Example:
         >>> pool = BufferPool()
@@ -104,6 +122,9 @@ class BufferPool:
         ...     maps = empty((2, 12, 1024, 1024))  # the same memory, already faulted in
     """
 
+    #: ``sys.getrefcount`` of a buffer only the pool's list holds
+    IDLE_REFERENCES = _idle_references()
+
     def __init__(self) -> None:
         self._buffers: list[mmap.mmap] = []
 
@@ -111,10 +132,9 @@ class BufferPool:
         """A buffer of exactly ``nbytes`` that no tensor refers to; ``(buffer, True)`` when it
         is new (not yet written: advise it before the first write)."""
         for i in range(len(self._buffers)):
-            # references: the list's and getrefcount's argument; a tensor of it adds one
-            if len(self._buffers[i]) == nbytes and sys.getrefcount(self._buffers[i]) <= 2:
+            if len(self._buffers[i]) == nbytes and sys.getrefcount(self._buffers[i]) <= self.IDLE_REFERENCES:
                 return self._buffers[i], False
-        buf = mmap.mmap(-1, nbytes)
+        buf = _anonymous_map(nbytes)
         self._buffers.append(buf)
         return buf, True
 
@@ -131,36 +151,57 @@ class BufferPool:
 _local = threading.local()
 
 
-def set_pool(pool: BufferPool | None) -> BufferPool | None:
-    """Make ``pool`` (None: no pool) the one :func:`empty` uses in this thread; returns the
-    previous one."""
-    previous = getattr(_local, "pool", None)
-    _local.pool = pool
-    return previous
+def _stack() -> list[BufferPool]:
+    if not hasattr(_local, "pools"):
+        _local.pools = []
+    return _local.pools
+
+
+def current_pool() -> BufferPool | None:
+    """The pool :func:`empty` uses in this thread (the last one pushed and not removed), or None."""
+    pools = _stack()
+    return pools[-1] if pools else None
+
+
+def push_pool(pool: BufferPool) -> None:
+    """Make ``pool`` the one :func:`empty` uses in this thread until :func:`remove_pool`."""
+    _stack().append(pool)
+
+
+def remove_pool(pool: BufferPool) -> None:
+    """Take ``pool`` out of this thread's pools (its last entry, wherever it lies: two users
+    that push and remove in overlapping order each remove their own); nothing if it is absent."""
+    pools = _stack()
+    for i in range(len(pools) - 1, -1, -1):
+        if pools[i] is pool:
+            del pools[i]
+            return
 
 
 @contextmanager
-def use_pool(pool: BufferPool | None) -> Iterator[BufferPool | None]:
-    """:func:`set_pool` for the ``with`` block, the previous pool restored after it."""
-    previous = set_pool(pool)
+def use_pool(pool: BufferPool) -> Iterator[BufferPool]:
+    """:func:`push_pool` for the ``with`` block, :func:`remove_pool` after it."""
+    push_pool(pool)
     try:
         yield pool
     finally:
-        set_pool(previous)
+        remove_pool(pool)
 
 
 def empty(shape: Sequence[int], dtype: torch.dtype = torch.float32,
-          device: torch.device | str | None = None) -> torch.Tensor:
+          device: torch.device | str | int | None = None) -> torch.Tensor:
     """``torch.empty(shape, dtype=dtype, device=device)``, its interior advised as huge pages
-    (:func:`advise`) when it is a large CPU buffer; from the pool in use in this thread
-    (:func:`use_pool`) when there is one and the buffer is large and on the CPU."""
-    pool: BufferPool | None = getattr(_local, "pool", None)
-    if pool is not None and torch.device(device or "cpu").type == "cpu":
+    (:func:`advise`) when it is a large CPU buffer; from this thread's pool (:func:`current_pool`)
+    when there is one and the buffer is large and on the CPU."""
+    pool = current_pool()
+    if pool is not None:
         numel = 1
         for n in shape:
             numel *= int(n)
         nbytes = numel * dtype.itemsize
-        if nbytes >= MIN_BYTES:
+        # (device None: torch's default device, which torch.set_default_device may have changed)
+        on_cpu = (torch.device(device) if device is not None else torch.empty(0).device).type == "cpu"
+        if nbytes >= MIN_BYTES and on_cpu:
             buf, new = pool.take(nbytes)
             t = torch.frombuffer(buf, dtype=dtype, count=numel).view(tuple(shape))
             if new:
@@ -171,4 +212,5 @@ def empty(shape: Sequence[int], dtype: torch.dtype = torch.float32,
     return t
 
 
-__all__ = ["ENABLED", "HUGE_PAGE", "MIN_BYTES", "BufferPool", "advise", "empty", "set_pool", "use_pool"]
+__all__ = ["ENABLED", "HUGE_PAGE", "MIN_BYTES", "BufferPool", "advise", "current_pool", "empty", "push_pool",
+           "remove_pool", "use_pool"]

@@ -96,10 +96,14 @@ def test_a_pool_reuses_a_buffer_only_once_no_tensor_refers_to_it():
         c = hugepages.empty(SHAPE)
         assert c.data_ptr() == ptr  # nobody refers to it any more: the same memory again
         assert tuple(c.shape) == SHAPE and c.dtype == torch.float32 and c.is_contiguous()
-        wide = hugepages.empty((2, 1024, 1024), torch.float64)  # another size: another buffer
+        del c
+        wide = hugepages.empty((3, 1024, 1024), torch.float32)  # another size (12 MiB): another buffer
         assert wide.data_ptr() not in (ptr, b.data_ptr())
+        c = hugepages.empty((2, 1024, 1024), torch.float64)  # 16 MiB of float64: the free buffer
+        assert c.data_ptr() == ptr and c.dtype == torch.float64
         small = hugepages.empty((8, 8))  # below MIN_BYTES: an ordinary tensor, not the pool's
-    assert pool.nbytes == 3 * 16 * 2**20 and small.numel() == 64
+        meta = hugepages.empty(SHAPE, device="meta")  # not on the CPU: not the pool's
+    assert pool.nbytes == 2 * 16 * 2**20 + 12 * 2**20 and small.numel() == 64 and meta.is_meta
     outside = hugepages.empty(SHAPE)  # after the block: no pool
     assert outside.data_ptr() not in (ptr, b.data_ptr())
     pool.clear()
@@ -108,7 +112,7 @@ def test_a_pool_reuses_a_buffer_only_once_no_tensor_refers_to_it():
     assert bool((c == 3.0).all()) and bool((b == 2.0).all())
 
 
-def test_a_pool_serves_only_the_thread_that_set_it_and_use_pool_restores_the_previous():
+def test_a_pool_serves_only_the_thread_that_set_it_and_pools_are_removed_by_identity():
     import threading
 
     pool, inner = hugepages.BufferPool(), hugepages.BufferPool()
@@ -122,4 +126,29 @@ def test_a_pool_serves_only_the_thread_that_set_it_and_use_pool_restores_the_pre
             hugepages.empty(SHAPE)
         hugepages.empty(SHAPE)
     assert inner.nbytes == pool.nbytes == 16 * 2**20
-    assert hugepages.set_pool(None) is None  # nothing left set in this thread
+    assert hugepages.current_pool() is None  # nothing left in use in this thread
+    # two users whose uses overlap (pushed a, b; removed a, b): each removes its own
+    a, b = hugepages.BufferPool(), hugepages.BufferPool()
+    hugepages.push_pool(a)
+    hugepages.push_pool(b)
+    hugepages.remove_pool(a)
+    assert hugepages.current_pool() is b
+    hugepages.remove_pool(b)
+    assert hugepages.current_pool() is None
+
+
+@pytest.mark.skipif(not LINUX_THP, reason="needs Linux with transparent huge pages not set to never")
+def test_a_pool_buffer_is_faulted_in_by_huge_pages():
+    """The pool's buffers are private anonymous mappings (a shared one would be shared memory,
+    which transparent huge pages usually do not back)."""
+    if thp_disabled_for_this_process():
+        pytest.skip("transparent huge pages are disabled for this process")
+    before = thp_fallbacks()
+    with hugepages.use_pool(hugepages.BufferPool()):
+        t = hugepages.empty((16, 1024, 1024), torch.float32)
+    t.fill_(0.5)
+    huge = anon_huge_kib(-(-t.data_ptr() // hugepages.HUGE_PAGE) * hugepages.HUGE_PAGE)
+    if huge == 0 and thp_fallbacks() > before:
+        pytest.skip("the kernel had no free huge page to give")
+    assert huge >= 2048
+    assert bool((t == 0.5).all())

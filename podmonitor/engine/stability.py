@@ -64,7 +64,7 @@ def _right_of_blocks_zero(fields: Tensor, blocks: list[tuple[int, int, int]]) ->
     """
     t = fields.shape[-1]
     views = [fields[:, :, r0:r1, k:] for r0, r1, k in blocks if k < t]
-    if not views:
+    if not views or fields.numel() == 0:
         return True
     bits = _SAME_WIDTH_INT[fields.element_size()]
     signed = torch.stack([v.view(bits).amin() for v in views]).amin() < 0
