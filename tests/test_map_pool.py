@@ -107,3 +107,82 @@ def test_two_monitors_each_remove_their_own_pool(tmp_path):
     assert hugepages.current_pool() is None
     for name, numbers in _numbers(first).items():
         np.testing.assert_allclose(_numbers(second)[name], numbers, rtol=1e-5)
+
+
+# ------------------------------------------------------------------ a nanoGPT that calls SDPA
+NANO = dict(block_size=T, vocab_size=16, n_layer=2, n_head=4, n_embd=16)  # (2, 4, 512, 512) maps: 8 MiB
+
+
+def _nano_fit(monitor: PODMonitor, root, push=None):
+    from tests.capture.sdpa_models import GPTConfig, NanoGPTModule
+
+    L.seed_everything(0)
+    model = NanoGPTModule(GPTConfig(**NANO), n_train=2, n_val=8, batch_size=2)
+    trainer = L.Trainer(max_epochs=1, accelerator="cpu", devices=1, logger=False, default_root_dir=str(root),
+                        callbacks=[monitor], enable_progress_bar=False, enable_model_summary=False,
+                        enable_checkpointing=False, num_sanity_val_steps=0)
+    trainer.fit(model)
+    return model
+
+
+def test_the_sdpa_capture_of_a_nanogpt_reuses_the_maps_memory_with_the_default_monitor(monkeypatch, tmp_path):
+    """The recomputed SDPA maps of a model written as nanoGPT is, under the default PODMonitor():
+    new buffers in the first batch only, and the numbers of a run without the pool."""
+    reused, new = [], []
+    take = hugepages.BufferPool.take
+
+    def counting_take(self, nbytes):
+        buf, fresh = take(self, nbytes)
+        (new if fresh else reused).append(nbytes)
+        return buf, fresh
+
+    with monkeypatch.context() as patch:
+        patch.setattr(hugepages.BufferPool, "take", counting_take)
+        pooled = PODMonitor()
+        _nano_fit(pooled, tmp_path / "pooled")
+    assert len(new) == 2 and len(reused) == 6  # 2 layers x 4 batches
+    assert hugepages.current_pool() is None
+    plain = PODMonitor()
+    with monkeypatch.context() as patch:
+        patch.setattr(hugepages, "push_pool", lambda pool: None)
+        _nano_fit(plain, tmp_path / "plain")
+    assert sorted(_numbers(plain)) == sorted(_numbers(pooled)) and len(_numbers(plain)) == 2
+    for name, numbers in _numbers(plain).items():
+        np.testing.assert_allclose(_numbers(pooled)[name], numbers, rtol=1e-5)
+
+
+def ddp_scenario(tmp: str) -> dict:
+    """Two processes (ddp_spawn) with the default PODMonitor() on the nanoGPT above, maps large
+    enough for the pool; then one process validating the final weights (no pool) for reference."""
+    import os
+    import warnings
+
+    from tests.capture.sdpa_models import GPTConfig, NanoGPTModule
+
+    warnings.simplefilter("ignore", UserWarning)
+    L.seed_everything(0)
+    model = NanoGPTModule(GPTConfig(**NANO), n_train=4, n_val=16, batch_size=2)
+    common = dict(max_epochs=1, accelerator="cpu", logger=False, enable_progress_bar=False,
+                  enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0)
+    monitor = PODMonitor()
+    L.Trainer(devices=2, strategy="ddp_spawn", default_root_dir=os.path.join(tmp, "ddp"), callbacks=[monitor],
+              **common).fit(model)
+    hugepages.push_pool = lambda pool: None  # the reference: no pool
+    single = PODMonitor()
+    L.Trainer(devices=1, default_root_dir=os.path.join(tmp, "single"), callbacks=[single], **common).validate(
+        model, model.val_dataloader())
+    return {"ddp": monitor.history, "single": single.history}
+
+
+def test_two_processes_with_the_pool_give_the_numbers_of_one_without_it(tmp_path):
+    from tests.distributed import run_scenario
+
+    res = run_scenario("tests.test_map_pool:ddp_scenario", tmp_path, timeout=240)
+    (ddp,), (single,) = res["ddp"], res["single"]
+    assert sorted(ddp["layers"]) == sorted(single["layers"]) and len(ddp["layers"]) == 2
+    for name, ref in single["layers"].items():
+        got = ddp["layers"][name]
+        assert got["n_snapshots"] == ref["n_snapshots"] == 16 and got["status"] == "ok"
+        np.testing.assert_allclose(got["dominant_scales"], ref["dominant_scales"], rtol=1e-9)
+        np.testing.assert_allclose(got["t_spec"], ref["t_spec"], rtol=1e-5)
+        np.testing.assert_allclose(got["entropy"], ref["entropy"], rtol=1e-6)
