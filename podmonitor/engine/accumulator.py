@@ -81,8 +81,17 @@ def _as_tensor(fields: Any) -> Tensor:
     raise TypeError(f"fields must be a torch.Tensor or numpy.ndarray, got {type(fields).__name__}")
 
 
-def field_sums(x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+def field_sums(x: Tensor, dtype: torch.dtype,
+               blocks: list[tuple[int, int]] | None = None) -> tuple[Tensor, Tensor]:
     """Row sums and the batch sum of (B, L, L) fields in ``dtype``, a few fields at a time.
+
+    Args:
+        x: (B, L, L) fields.
+        dtype: the dtype of both results.
+        blocks: row blocks ``(r0, r1)`` whose rectangles ``[r0:r1, :r1]`` hold every entry that is
+            not exactly zero (:func:`~podmonitor.engine.lags.lower_row_blocks` of checked causal
+            fields); the total adds only those (adding a zero leaves a sum as it is). Default:
+            the whole field.
 
     Returns:
         row_sums: (B, L), the same sums as ``x.sum(-1, dtype=dtype)`` (to rounding).
@@ -95,9 +104,15 @@ def field_sums(x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     mixed-dtype reductions, and one pass over the batch for both.
     """
     total = torch.zeros(x.shape[1:], dtype=dtype, device=x.device)
+    rects = [(0, x.shape[1])] if blocks is None else blocks
+
+    def add(fields: Tensor) -> None:
+        for field in fields:
+            for r0, r1 in rects:
+                total[r0:r1, :r1] += field[r0:r1, :r1]
+
     if x.dtype == dtype or x.numel() == 0:
-        for field in x:
-            total += field
+        add(x)
         return x.sum(-1), total
     step = max(1, min(x.shape[0], SUB_BYTES // (dtype.itemsize * x.shape[1] * x.shape[2])))
     buf = torch.empty((step, *x.shape[1:]), dtype=dtype, device=x.device)
@@ -107,8 +122,7 @@ def field_sums(x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         stop = min(x.shape[0], start + step)
         part = buf[:stop - start].copy_(x[start:stop])
         torch.sum(part, dim=-1, out=out[start:stop])
-        for field in part if widening else x[start:stop]:
-            total += field
+        add(part if widening else x[start:stop])
     return out, total
 
 
@@ -273,23 +287,31 @@ class PODAccumulator:
         """
         x = self._validate(fields)
         dtype_name = str(x.dtype).replace("torch.", "")
+        causal = self.causal
+        # Causal fields (nothing above the diagonal in any field, finite or not: checked first) add
+        # only the row blocks of their lower triangle to the batch total; otherwise the check runs
+        # on the finite fields below.
+        upper = None if causal is False else max_above_diagonal(x)  # (bidirectional: no need to look)
+        blocks = lower_row_blocks(x.shape[1], True) if upper == 0 else None
         # A sum is finite iff every entry is (barring overflow, which the exact check catches); the
         # row sums also serve the normalisation check of the running state.
-        row_sums, total = field_sums(x, self.config.dtype)  # (B, L), (L, L)
+        row_sums, total = field_sums(x, self.config.dtype, blocks)  # (B, L), (L, L)
         finite = torch.isfinite(row_sums).all(dim=1)
         if not bool(finite.all()):
             finite = torch.isfinite(x).flatten(1).all(dim=1)
         n_bad = int((~finite).sum())
         if n_bad:
             x, row_sums = x[finite], row_sums[finite]
-            total = field_sums(x, self.config.dtype)[1]
+            total = field_sums(x, self.config.dtype, blocks)[1]
         if x.shape[0] == 0:
             self._merge_counts({"n_skipped_nonfinite": n_bad, "input_dtypes": {dtype_name}})
             return 0
         seq_len = x.shape[1]
         device = self._device if self._device is not None else x.device
-        causal = self.causal
-        upper = 0.0 if causal is False else max_above_diagonal(x)  # (bidirectional: no need to look)
+        if upper is None:
+            upper = 0.0
+        elif upper != 0 and n_bad:  # (NaN or mass above the diagonal: look at the finite fields alone)
+            upper = max_above_diagonal(x)
         if causal is None:
             causal = upper == 0
         elif causal and upper > 0:
@@ -391,7 +413,7 @@ class PODAccumulator:
                 for r0, r1 in blocks:
                     convert[:stop - start, r0:r1, :r1].copy_(part[:, r0:r1, :r1])
                 part = convert[:stop - start]
-            ctx = BatchStep(part, causal, work, tol, row_sums[start:stop].to(dev))
+            ctx = BatchStep(part, causal, work, tol, row_sums[start:stop].to(dev), blocks)
             for r in STEPPED:
                 batch[r.name] = r.combine(batch[r.name], r.step(ctx))
             if filled + (stop - start) > rows_per_feed:

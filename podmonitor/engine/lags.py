@@ -143,14 +143,6 @@ def lower_row_blocks(seq_len: int, causal: bool, n_blocks: int = 8) -> list[tupl
     return [(a, b) for a, b in zip(edges, edges[1:], strict=False) if b > a]
 
 
-@lru_cache(maxsize=16)
-def _panel_mask(seq_len: int, n_panels: int) -> Tensor:
-    """(L, L) bool, True where the panel of the row lag is at most the panel of the column lag."""
-    inner = torch.tensor(_panel_edges(seq_len, n_panels)[1:-1])
-    panel = torch.bucketize(torch.arange(seq_len), inner, right=True)
-    return panel.unsqueeze(1) <= panel.unsqueeze(0)
-
-
 class LagShear:
     """Reusable workspace holding b fields in sheared layout, for lag moments without a gather.
 
@@ -266,10 +258,20 @@ class LagShear:
         target += wide[:size].view(shape).copy_(product)
 
     def finish(self, partial: Tensor, backward: bool) -> Tensor:
-        """The symmetric (L, L) moment from an accumulated lower panel triangle."""
-        moment = partial.flip(0, 1) if backward else partial
-        mask = _panel_mask(self.seq_len, self.n_panels).to(moment.device)
-        return torch.where(mask, moment.T, moment)
+        """The symmetric (L, L) moment from an accumulated lower panel triangle (a new tensor).
+
+        Every entry whose row-lag panel is at most its column-lag panel (the upper panel blocks
+        and the diagonal ones) is taken from the transposed entry, panel by panel in place in one
+        copy: the values of ``torch.where(panel mask, moment.T, moment)`` without a pass that
+        reads the whole matrix transposed.
+        """
+        moment = partial.flip(0, 1) if backward else partial.clone()
+        edges = _panel_edges(self.seq_len, self.n_panels)
+        for a, b in zip(edges, edges[1:], strict=False):
+            if b > a:
+                moment[a:b, b:].copy_(moment[b:, a:b].T)  # (reads the strict lower blocks only)
+                moment[a:b, a:b].copy_(moment[a:b, a:b].T.clone())
+        return moment
 
 
 def lag_moment(signals: Tensor, *, n_blocks: int = 8) -> Tensor:

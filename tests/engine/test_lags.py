@@ -169,6 +169,27 @@ def test_lag_shear_moments_equal_literal_second_moments():
                                    np.einsum("sit,siu->tu", lit_fwd, lit_fwd), rtol=1e-12, atol=1e-12)
 
 
+def test_lag_shear_finish_equals_the_panel_mask_selection_bit_for_bit():
+    # finish mirrors panel by panel in place; the reference is the selection it replaced: entries
+    # whose row-lag panel is at most the column-lag panel from the transpose, a literal mask
+    from podmonitor.engine.lags import LagShear, _panel_edges
+
+    gen = torch.Generator().manual_seed(11)
+    for seq_len, n_panels, dtype in [(1, 8, torch.float64), (20, 64, torch.float64), (37, 8, torch.float32),
+                                     (64, 3, torch.float64)]:
+        shear = LagShear(seq_len, 1, dtype, torch.device("cpu"), n_panels=n_panels)
+        partial = torch.randn(seq_len, seq_len, dtype=dtype, generator=gen)
+        before = partial.clone()
+        inner = torch.tensor(_panel_edges(seq_len, shear.n_panels)[1:-1])
+        panel = torch.bucketize(torch.arange(seq_len), inner, right=True)
+        mask = panel.unsqueeze(1) <= panel.unsqueeze(0)
+        for backward in (True, False):
+            moment = partial.flip(0, 1) if backward else partial
+            out = shear.finish(partial, backward=backward)
+            assert torch.equal(out, torch.where(mask, moment.T, moment))
+            assert torch.equal(partial, before)  # the accumulated partial is left as it was
+
+
 def test_row_entropy_with_work_buffer_matches_literal_formula():
     a = random_causal_fields(4, 12, seed=5)
     a[:, :, :] += 0.01 * torch.rand(4, 12, 12, generator=torch.Generator().manual_seed(6)).triu(1)  # some mass above
