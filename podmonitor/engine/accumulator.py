@@ -30,7 +30,6 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .. import hugepages
 from .analysis import analyse
 from .budget import (
     MemoryBudgetError,
@@ -402,8 +401,12 @@ class PODAccumulator:
         # the batch's lag-band entries, handed to the store in parts of the size it asks for
         rows_per_feed, rows_dtype = self.store.feed(n_b, step, x.dtype)
         # (zeroed first: writing fresh pages inside the multi-threaded gather is several times
-        # slower; as huge pages where the system allows, 512 times fewer faults)
-        rows_buf = hugepages.empty((rows_per_feed, self.band.size), dtype=rows_dtype, device=dev).zero_()
+        # slower. Not advised as huge pages: this memory stays with the store, so no later batch
+        # reuses it, and fresh huge pages can cost more than they save: on the development VM,
+        # whose balloon device reports free pages to the host, fresh processes alternating took
+        # 0.739 s instead of 0.915 s for the 6-layer paper-size analysis (medians of 5), likely
+        # because the host backs each freshly handed-out 2 MiB block anew)
+        rows_buf = torch.empty((rows_per_feed, self.band.size), dtype=rows_dtype, device=dev).zero_()
         index = self.band.flat_index.to(dev).unsqueeze(0)
         filled = 0
         for start in range(0, n_b, step):
