@@ -17,6 +17,7 @@ also printed scaled to 12 layers and N = 150, the shape of ``bench_validation_ru
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -37,6 +38,8 @@ def main(argv: list[str] | None = None) -> None:
 
     import torch
 
+    from podmonitor import hugepages
+    from podmonitor.callback import FEED_BYTES
     from podmonitor.engine import PODAccumulator, PODConfig
     from podmonitor.engine.lags import LagShear
     from podmonitor.engine.stability import StabilityAccumulator
@@ -58,14 +61,22 @@ def main(argv: list[str] | None = None) -> None:
         acc.reset()
         return acc
 
-    def feed(cfg: PODConfig, grouped: bool) -> Callable[[], object]:
+    # PODMonitor queues each layer's head averages and adds them FEED_BYTES at a time, inside its
+    # buffer pool (the engine's work buffers then stay mapped from one update to the next)
+    group = max(1, FEED_BYTES // (avg[0].numel() * avg.element_size()))
+    queued = torch.cat([avg] * nb)  # (nb * b, L, L)
+    pool = hugepages.BufferPool()
+
+    def feed(cfg: PODConfig, grouped: bool, pooled: bool = False) -> Callable[[], object]:
         def run() -> None:
             acc = fresh(cfg)
-            if grouped:
-                acc.update(torch.cat([avg] * nb))
-            else:
-                for _ in range(nb):
-                    acc.update(avg)
+            with hugepages.use_pool(pool) if pooled else contextlib.nullcontext():
+                if grouped:
+                    for start in range(0, queued.shape[0], group):
+                        acc.update(queued[start:start + group])
+                else:
+                    for _ in range(nb):
+                        acc.update(avg)
         return run
 
     stab = StabilityAccumulator()
@@ -76,7 +87,8 @@ def main(argv: list[str] | None = None) -> None:
         "head average": lambda: [fields.mean(dim=1) for _ in range(nb)],
         "stability signals (per head)": lambda: [stab.update(fields, causal=True) for _ in range(nb)],
         "update, batch by batch": feed(cfg, grouped=False),
-        "update, grouped (as the monitor feeds it)": feed(cfg, grouped=True),
+        f"update, {group} fields at a time": feed(cfg, grouped=True),
+        "same, pooled work buffers (as the monitor)": feed(cfg, grouped=True, pooled=True),
         "update, batch by batch, float64 products": feed(f64, grouped=False),
     }
     print(f"one layer, {nb} batches of {b} sequences, H = {heads}, L = {seq_len}, {args.threads} threads, "

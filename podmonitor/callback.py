@@ -438,7 +438,10 @@ class PODMonitor(MonitorCallback):
             index = index[: max(0, self._per_rank_target(trainer) - self._taken)]
         if index is not None and captured is not None and index.numel() > 0:
             try:
-                self._add(captured, index)
+                # the engine's work buffers come from the same pool as the maps: already faulted
+                # in, from one layer's update to the next
+                with hugepages.use_pool(self._map_pool):
+                    self._add(captured, index)
             except Exception as err:  # noqa: BLE001
                 self._handle("accumulating attention fields", err)
         self._accumulate_seconds += time.perf_counter() - t1
@@ -561,8 +564,12 @@ class PODMonitor(MonitorCallback):
     def _flush(self, name: str) -> None:
         """Add a layer's queued fields to its accumulator, as one batch."""
         pending = self._pending.pop(name, [])
+        if len(pending) > 1:  # (one batch, into a buffer of the pool while the monitor accumulates)
+            first = pending[0]
+            out = hugepages.scratch((sum(p.shape[0] for p in pending), *first.shape[1:]), first.dtype, first.device)
+            pending = [torch.cat(pending, out=out)]
         if pending:
-            self._accumulators[name].update(pending[0] if len(pending) == 1 else torch.cat(pending))
+            self._accumulators[name].update(pending[0])
 
     def _flush_all(self) -> None:
         """Add every layer's queued fields (at the end of a run, before the states are gathered);
@@ -585,7 +592,9 @@ class PODMonitor(MonitorCallback):
     def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._stop_capture()
         t_flush = time.perf_counter()
-        self._flush_all()
+        with hugepages.use_pool(self._map_pool):
+            self._flush_all()
+        self._map_pool.clear()  # (the work buffers' memory goes back now)
         self._accumulate_seconds += time.perf_counter() - t_flush
         if trainer.sanity_checking or self._adapter is None or not self._monitored_run:
             # every rank decides the same way (same validation count), so nobody waits here
@@ -904,10 +913,12 @@ def _head_average(fields: torch.Tensor, active: Sequence[bool] | None) -> torch.
     """(b, H, T, T) -> (b, T, T): mean over the heads still active (masked heads carry no output,
     so the layer's field is the mean of the heads that reach the residual stream); all heads when
     ``active`` is None, does not match H, or masks every head."""
-    if active is None or len(active) != fields.shape[1] or all(active) or not any(active):
-        return fields.mean(dim=1)
-    keep = torch.tensor([i for i, a in enumerate(active) if a], device=fields.device)
-    return fields.index_select(1, keep).mean(dim=1)
+    if not (active is None or len(active) != fields.shape[1] or all(active) or not any(active)):
+        keep = torch.tensor([i for i, a in enumerate(active) if a], device=fields.device)
+        fields = fields.index_select(1, keep)
+    # (into a buffer of the monitor's pool while it accumulates: reused once the queue is added)
+    out = hugepages.scratch((fields.shape[0], *fields.shape[2:]), fields.dtype, fields.device)
+    return torch.mean(fields, dim=1, out=out)
 
 
 def _picture_names(log_images: bool | Sequence[str]) -> tuple[str, ...] | None:

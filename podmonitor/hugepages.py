@@ -212,5 +212,17 @@ def empty(shape: Sequence[int], dtype: torch.dtype = torch.float32,
     return t
 
 
+def scratch(shape: Sequence[int], dtype: torch.dtype = torch.float32,
+            device: torch.device | str | int | None = None) -> torch.Tensor:
+    """A work buffer whose contents are unspecified: :func:`empty` (a buffer of this thread's
+    pool, already faulted in) while a pool is in use, else a plain ``torch.empty``. Buffers that
+    live for one call and are not reused gain little from the huge-page advice, and on a virtual
+    machine that hands freed memory back to its host fresh huge pages can cost more than small
+    ones; a pool's buffers are reused, so there the advice pays."""
+    if current_pool() is None:
+        return torch.empty(tuple(shape), dtype=dtype, device=device)
+    return empty(shape, dtype, device)
+
+
 __all__ = ["ENABLED", "HUGE_PAGE", "MIN_BYTES", "BufferPool", "advise", "current_pool", "empty", "push_pool",
-           "remove_pool", "use_pool"]
+           "remove_pool", "scratch", "use_pool"]

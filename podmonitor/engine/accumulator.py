@@ -30,6 +30,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..hugepages import scratch
 from .analysis import analyse
 from .budget import (
     MemoryBudgetError,
@@ -102,7 +103,7 @@ def field_sums(x: Tensor, dtype: torch.dtype,
     that each addition rounds once): several times faster for float32 fields on CPU than
     mixed-dtype reductions, and one pass over the batch for both.
     """
-    total = torch.zeros(x.shape[1:], dtype=dtype, device=x.device)
+    total = scratch(x.shape[1:], dtype, x.device).zero_()
     rects = [(0, x.shape[1])] if blocks is None else blocks
 
     def add(fields: Tensor) -> None:
@@ -114,7 +115,7 @@ def field_sums(x: Tensor, dtype: torch.dtype,
         add(x)
         return x.sum(-1), total
     step = max(1, min(x.shape[0], SUB_BYTES // (dtype.itemsize * x.shape[1] * x.shape[2])))
-    buf = torch.empty((step, *x.shape[1:]), dtype=dtype, device=x.device)
+    buf = scratch((step, *x.shape[1:]), dtype, x.device)
     out = torch.empty(x.shape[:2], dtype=dtype, device=x.device)
     widening = x.is_floating_point() and x.dtype.itemsize < dtype.itemsize
     for start in range(0, x.shape[0], step):
@@ -382,21 +383,22 @@ class PODAccumulator:
         assert self.mean_field is not None
         n_a = self.n
         # the between-group term as one more field (it vanishes for the first group)
-        between = (mean_b - self.mean_field).mul_(math.sqrt(n_a * n_b / (n_a + n_b))) if n_a else None
+        between = None if not n_a else torch.sub(mean_b, self.mean_field, out=scratch(mean_b.shape, dt, dev)).mul_(
+            math.sqrt(n_a * n_b / (n_a + n_b)))
         # the products in the moment dtype (float32 for float32 captures, see PODConfig.moment_dtype);
         # each step's products are added to the batch's moments in dt
         md = cfg.moment_dtype_for(x.dtype)
         shear = LagShear(seq_len, step + (between is not None), md, dev)
-        m2b_back = torch.zeros(seq_len, seq_len, dtype=dt, device=dev)
-        m2b_fwd = None if causal else torch.zeros(seq_len, seq_len, dtype=dt, device=dev)
+        m2b_back = scratch((seq_len, seq_len), dt, dev).zero_()
+        m2b_fwd = None if causal else scratch((seq_len, seq_len), dt, dev).zero_()
         batch = {r.name: r.allocate(seq_len, causal, dt, dev) for r in STEPPED}  # this batch's contributions
-        work = torch.zeros(step, seq_len, seq_len, dtype=dt, device=dev)  # (zeros: see row_entropy)
+        work = scratch((step, seq_len, seq_len), dt, dev).zero_()  # (zeros: see row_entropy)
         # causal fields from BLOCKS_FROM on: conversion, centring and rounding read and write only
         # the row blocks that hold the lower triangle (the rest of convert stays zero)
         blocks = lower_row_blocks(seq_len, causal)
-        convert = None if x.dtype == dt and x.device == dev else torch.zeros_like(work)
+        convert = None if x.dtype == dt and x.device == dev else scratch(work.shape, dt, dev).zero_()
         # centred fields in dt before their rounding to md (the converted fields are centred in place)
-        centred = convert if convert is not None or md == dt else torch.empty_like(work)
+        centred = convert if convert is not None or md == dt else scratch(work.shape, dt, dev)
         tol = normalisation_tol(x.dtype)
         # the batch's lag-band entries, handed to the store in parts of the size it asks for
         rows_per_feed, rows_dtype = self.store.feed(n_b, step, x.dtype)
@@ -448,7 +450,7 @@ class PODAccumulator:
         assert self.mean_field is not None and self.m2_back is not None
         n_a = self.n
         n = n_a + n_b
-        delta = mean_b - self.mean_field  # (L, L)
+        delta = torch.sub(mean_b, self.mean_field, out=scratch(mean_b.shape, mean_b.dtype, mean_b.device))  # (L, L)
         w = n_a * n_b / n
         self.m2_back += m2b_back
         if n_a > 0 and not between_added:  # the between-group term vanishes for the first group
@@ -458,7 +460,7 @@ class PODAccumulator:
             self.m2_fwd += m2b_fwd
             if n_a > 0 and not between_added:
                 self.m2_fwd += w * lag_moment(lag_signals(delta, forward=True).flip(0).unsqueeze(0))
-        self.mean_field += delta * (n_b / n)
+        self.mean_field += torch.mul(delta, n_b / n, out=scratch(delta.shape, delta.dtype, delta.device))
         self.n = n
 
     def _merge_counts(self, group: dict[str, Any]) -> None:

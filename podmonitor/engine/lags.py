@@ -16,6 +16,8 @@ from functools import lru_cache
 import torch
 from torch import Tensor
 
+from ..hugepages import scratch
+
 
 @lru_cache(maxsize=16)
 def _lag_gather_index(seq_len: int, forward: bool, upper_is_zero: bool) -> tuple[Tensor, Tensor | None]:
@@ -172,7 +174,7 @@ class LagShear:
         # the rows aligned without a row stride of a multiple of 4 KiB, which maps a panel's rows
         # onto the same cache sets (about 1.3x slower products at L = 256 in float64)
         self.width = 2 * seq_len + 64 // dtype.itemsize
-        self.buf = torch.zeros(seq_len, batch, self.width, dtype=dtype, device=device)
+        self.buf = scratch((seq_len, batch, self.width), dtype, device).zero_()
         self.loaded = 0
         self.n_panels = max(1, min(n_panels, seq_len))
         self._staging: tuple[Tensor, Tensor] | None = None  # (see _add_product)
