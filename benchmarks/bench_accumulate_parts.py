@@ -7,9 +7,11 @@ Usage (from the repository root)::
 
 For one layer it times what ``PODMonitor`` does with every validation batch of (B, H, L, L) float32
 causal attention (random softmax maps): the head average, the per-head stability signals
-(``StabilityAccumulator.update``) and the engine's update, the last three ways (batch by batch
-with the default float32 moment products, grouped into one update as the monitor now does, and
-batch by batch with float64 products as before ``PODConfig.moment_dtype``), and the lag-moment
+(``StabilityAccumulator.update``) and the engine's update, four ways (batch by batch with the
+default float32 moment products; in groups of ``FEED_BYTES`` of fields, as the monitor queues
+them, without and with a buffer pool in use, as the monitor runs it, so that the update's work
+buffers stay mapped from one call to the next; and batch by batch with float64 products as before
+``PODConfig.moment_dtype``), and the lag-moment
 products alone (``LagShear``, float64 and float32). Each time is the best of ``--repeats`` and is
 also printed scaled to 12 layers and N = 150, the shape of ``bench_validation_run.py``.
 """
