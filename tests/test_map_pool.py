@@ -66,7 +66,7 @@ def test_the_pool_reuses_the_maps_memory_and_changes_no_number(monkeypatch, tmp_
     assert hugepages.current_pool() is None  # the monitor left no pool in use in this thread
     plain = PODMonitor(n_snapshots=8, log_images=False)
     with monkeypatch.context() as patch:
-        patch.setattr(hugepages, "push_pool", lambda pool: None)  # the capture runs without a pool
+        patch.setattr(hugepages, "push_pool", lambda pool: None)  # capture and accumulation without a pool
         _fit(plain, tmp_path / "plain")
     # the same maps give the same numbers; rtol allows only float32 rounding (a run of this
     # test once differed from another by 6e-7 in an eigenvalue), while maps overwritten by another

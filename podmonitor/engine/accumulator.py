@@ -405,8 +405,8 @@ class PODAccumulator:
         # (zeroed first: writing fresh pages inside the multi-threaded gather is several times
         # slower. Not advised as huge pages: this memory stays with the store, so no later batch
         # reuses it, and fresh huge pages can cost more than they save: on the development VM,
-        # whose balloon device reports free pages to the host, fresh processes alternating took
-        # 0.739 s instead of 0.915 s for the 6-layer paper-size analysis (medians of 5), likely
+        # whose balloon device reports free pages to the host, `bench_engine_parts.py --compare`
+        # measured the float64 update at L = 1024 at 1.73 s plain against 2.10 s advised, likely
         # because the host backs each freshly handed-out 2 MiB block anew)
         rows_buf = torch.empty((rows_per_feed, self.band.size), dtype=rows_dtype, device=dev).zero_()
         index = self.band.flat_index.to(dev).unsqueeze(0)
@@ -418,7 +418,7 @@ class PODAccumulator:
                 for r0, r1 in blocks:
                     convert[:stop - start, r0:r1, :r1].copy_(part[:, r0:r1, :r1])
                 part = convert[:stop - start]
-            ctx = BatchStep(part, causal, work, tol, row_sums[start:stop].to(dev), blocks)
+            ctx = BatchStep(part, causal, work, tol, row_sums[start:stop].to(dev))
             for r in STEPPED:
                 batch[r.name] = r.combine(batch[r.name], r.step(ctx))
             if filled + (stop - start) > rows_per_feed:

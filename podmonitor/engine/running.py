@@ -45,8 +45,6 @@ class BatchStep:
         tol: tolerance of ``|row sum - 1|`` for the input dtype (see :func:`normalisation_tol`).
         row_sums: (b, L) the row sums of the fields (computed once per batch, with its finiteness
             check).
-        blocks: row blocks ``(r0, r1)`` whose rectangles ``[r0:r1, :r1]`` hold every entry that
-            may be non-zero (:func:`~podmonitor.engine.lags.lower_row_blocks`; ``[(0, L)]``: all).
     """
 
     part: Tensor
@@ -54,13 +52,11 @@ class BatchStep:
     work: Tensor
     tol: float
     row_sums: Tensor
-    blocks: list[tuple[int, int]]
 
     @cached_property
     def has_negative(self) -> bool:
-        """Whether any entry of the step is negative (one reduction per row block; the entries
-        outside the blocks are zeros)."""
-        return any(bool(self.part[:, r0:r1, :r1].amin() < 0) for r0, r1 in self.blocks)
+        """Whether any entry of the step is negative (one reduction)."""
+        return bool(self.part.amin() < 0)
 
     @cached_property
     def row_error(self) -> Tensor:
