@@ -197,70 +197,61 @@ def _ordinary(*tensors: torch.Tensor) -> bool:
             or torch.is_autocast_enabled(tensors[0].device.type) or torch.compiler.is_compiling())
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """q k^T, (..., T, hs) x (..., S, hs) -> (..., T, S); without autograd into a fresh buffer
-    advised as huge pages (:mod:`podmonitor.hugepages`: the same numbers, faulted in faster on
-    Linux CPUs)."""
-    if _ordinary(q, k):
-        return q @ k.transpose(-2, -1)
-    out = hugepages.empty((*q.shape[:-1], k.shape[-2]), q.dtype, q.device)
-    try:
-        return torch.matmul(q, k.transpose(-2, -1), out=out)
-    except RuntimeError:  # forward-mode AD, vmap: out= is refused before anything is written
-        return q @ k.transpose(-2, -1)
-
-
-#: rows per block of the causal scaling and masking without autograd (:func:`_scale_and_mask`)
+#: query rows per block of the causal probabilities without autograd (:func:`_causal_probabilities`)
 MASK_ROWS = 128
 
 
-def _scale_and_mask(scores: torch.Tensor, scale: float, log_g: torch.Tensor | None) -> torch.Tensor:
-    """``scores * scale (+ log_g)`` with ``-inf`` where the key is later than the query, in place:
-    scores (..., T, T), log_g broadcastable to them ((B, nh, T|1, T)) or None.
+def _causal_probabilities(q: torch.Tensor, k: torch.Tensor, scale: float,
+                          log_g: torch.Tensor | None) -> torch.Tensor:
+    """Causal attention probabilities softmax(q k^T * scale (+ log g)), -inf where the key is later
+    than the query: q (B, nh, T, hs), k (B, nh, T, hs), log_g broadcastable to (B, nh, T, T)
+    ((B, nh, T|1, T)) or None -> (B, nh, T, T).
 
-    With autograd, autocast or ``torch.compile`` these are the ordinary whole-tensor ops. Otherwise
-    the work goes in blocks of :data:`MASK_ROWS` query rows: rows ``[r0, r1)`` are scaled (and
-    gated) on the keys ``[0, r1)`` they can see, the diagonal block is masked, and the keys right
-    of ``r1`` are set to ``-inf`` without being scaled first. Every entry gets the value the
-    whole-tensor ops give it (the same element-wise operations, or ``-inf`` in both), while the
-    entries right of the blocks (about 44 % of them at T = 1024) are only written, not first
-    scaled, gated and then masked.
+    With autograd, autocast or ``torch.compile`` (:func:`_ordinary`) these are the ordinary
+    whole-tensor ops. Otherwise the work goes in blocks of :data:`MASK_ROWS` query rows, in one
+    reused buffer: rows ``[r0, r1)`` take the scores, scaling, gate, diagonal mask and softmax of
+    the keys ``[0, r1)`` they can see, and the keys right of ``r1`` are written as zeros. About
+    half the arithmetic and memory traffic of whole rows at long contexts, and the same bits
+    (block ends are multiples of :data:`MASK_ROWS`, so a row's sums run over the same lanes as
+    whole rows whose later keys add exact zeros; tested against the ordinary ops). Where ``out=``
+    is refused (forward-mode AD, vmap) before anything is written, the ordinary ops run.
     """
-    T = scores.size(-1)
-    if _ordinary(scores):
-        scores.mul_(scale)
-        if log_g is not None:
-            scores.add_(log_g)
-        return scores.masked_fill_(_above_diagonal(T, scores.device), float("-inf"))
-    upper = _above_diagonal(min(T, MASK_ROWS), scores.device)
-    for r0 in range(0, T, MASK_ROWS):
-        r1 = min(T, r0 + MASK_ROWS)
-        seen = scores[..., r0:r1, :r1]  # (..., rows, r1): the keys rows r0..r1-1 can see
+    if not _ordinary(q, k, *(() if log_g is None else (log_g,))):
+        try:
+            return _causal_probabilities_blocked(q, k, scale, log_g)
+        except RuntimeError:  # forward-mode AD, vmap: out= is refused before anything is written
+            pass
+    scores = (q @ k.transpose(-2, -1)).mul_(scale)  # (B, nh, T, T)
+    if log_g is not None:
+        scores = scores.add_(log_g)
+    scores = scores.masked_fill_(_above_diagonal(q.size(-2), q.device), float("-inf"))
+    return F.softmax(scores, dim=-1)
+
+
+def _causal_probabilities_blocked(q: torch.Tensor, k: torch.Tensor, scale: float,
+                                  log_g: torch.Tensor | None) -> torch.Tensor:
+    """:func:`_causal_probabilities` without autograd, in blocks of query rows (shapes there).
+
+    The probabilities go into a fresh buffer advised as huge pages (:mod:`podmonitor.hugepages`:
+    one of the monitor's pool while it captures); a block's scores into a reused work buffer."""
+    T = q.size(-2)
+    lead = q.shape[:-2]  # (B, nh)
+    rows = min(T, MASK_ROWS)
+    probs = hugepages.empty((*lead, T, T), q.dtype, q.device)
+    work = hugepages.scratch((lead.numel() * rows * T,), q.dtype, q.device)
+    upper = _above_diagonal(rows, q.device)
+    for r0 in range(0, T, rows):
+        r1 = min(T, r0 + rows)
+        seen = work[: lead.numel() * (r1 - r0) * r1].view(*lead, r1 - r0, r1)  # keys rows r0..r1-1 can see
+        torch.matmul(q[..., r0:r1, :], k[..., :r1, :].transpose(-2, -1), out=seen)
         seen.mul_(scale)
         if log_g is not None:
             seen.add_(log_g[..., :r1] if log_g.size(-2) == 1 else log_g[..., r0:r1, :r1])
         seen[..., r0:r1].masked_fill_(upper[: r1 - r0, : r1 - r0], float("-inf"))
-        if r1 < T:
-            scores[..., r0:r1, r1:].fill_(float("-inf"))
-    return scores
-
-
-def _softmax_rows(scores: torch.Tensor) -> torch.Tensor:
-    """softmax over the last dimension of ``scores`` (..., T), in place when nothing differentiates.
-
-    In place the numbers are the same, and no second buffer of the scores' size is allocated and
-    faulted in, which is much of this step's cost at long contexts on a CPU (the capture of
-    ``attention_maps`` runs without gradients; ``bench_validation_run.py`` times the capture).
-    With reverse-mode autograd, forward-mode AD (``torch.func.jvp`` even under ``no_grad``, which
-    refuses ``out=`` before writing), autocast or ``torch.compile``, it is the ordinary out-of-place
-    softmax.
-    """
-    if _ordinary(scores):
-        return F.softmax(scores, dim=-1)
-    try:
-        return torch.softmax(scores, dim=-1, out=scores)
-    except RuntimeError:  # forward-mode AD, vmap: out= is refused before anything is written
-        return F.softmax(scores, dim=-1)
+        torch.softmax(seen, dim=-1, out=seen)
+        probs[..., r0:r1, :r1].copy_(seen)
+        probs[..., r0:r1, r1:].zero_()
+    return probs
 
 
 class CausalSelfAttention(nn.Module):
@@ -345,13 +336,9 @@ class CausalSelfAttention(nn.Module):
                 y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
             return self.merge_heads(self.apply_head_mask(y)), None
 
-        # explicit (math) path: materialise the probabilities
-        # in place where the value is the same: one (B, nh, T, T) buffer for the scores and one for
-        # the probabilities (each out-of-place step would allocate and fault in another)
-        att = _scores(q, k)  # (B, nh, T, T)
+        # explicit (math) path: materialise the probabilities,
         # scaled, gated (softmax(s + log g) = A g / sum(A g)) and causally masked
-        att = _scale_and_mask(att, 1.0 / math.sqrt(k.size(-1)), log_g)
-        att = _softmax_rows(att)  # (B, nh, T, T), rows sum to 1
+        att = _causal_probabilities(q, k, 1.0 / math.sqrt(k.size(-1)), log_g)  # (B, nh, T, T), rows sum to 1
         y = self.attn_dropout(att) @ v  # (B, nh, T, T) x (B, nh, T, hs) -> (B, nh, T, hs)
         return self.merge_heads(self.apply_head_mask(y)), att
 

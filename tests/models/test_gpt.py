@@ -285,9 +285,10 @@ def test_attention_without_gradients_is_the_same_as_with_them(variant: dict) -> 
 @pytest.mark.parametrize("variant", VARIANTS, ids=IDS)
 def test_blocked_masking_without_gradients_gives_the_ordinary_maps(variant: dict) -> None:
     """Longer than one block of query rows (MASK_ROWS), and not a multiple of it: without autograd
-    the scores are scaled, gated and masked block by block (keys right of a block only set to
-    -inf); the maps are the same bits as those of the whole-tensor ops that run while gradients
-    are recorded, and every row is a causal distribution."""
+    the probabilities are computed block by block on the keys each block can see (scores, scale,
+    gate, mask and softmax; keys right of a block only written as zeros); the maps are the same
+    bits as those of the whole-tensor ops that run while gradients are recorded (so are the
+    layer outputs: the second layer's maps agree too), and every row is a causal distribution."""
     from podmonitor.models import gpt
 
     t = 2 * gpt.MASK_ROWS + 37
