@@ -197,51 +197,74 @@ def _ordinary(*tensors: torch.Tensor) -> bool:
             or torch.is_autocast_enabled(tensors[0].device.type) or torch.compiler.is_compiling())
 
 
-#: query rows per block of the causal probabilities without autograd (:func:`_causal_probabilities`)
+#: query rows per block of the explicit causal attention (:func:`_causal_attention`)
 MASK_ROWS = 128
 
 
-def _causal_probabilities(q: torch.Tensor, k: torch.Tensor, scale: float,
-                          log_g: torch.Tensor | None) -> torch.Tensor:
-    """Causal attention probabilities softmax(q k^T * scale (+ log g)), -inf where the key is later
-    than the query: q (B, nh, T, hs), k (B, nh, T, hs), log_g broadcastable to (B, nh, T, T)
-    ((B, nh, T|1, T)) or None -> (B, nh, T, T).
+def _row_blocks(T: int) -> list[tuple[int, int]]:
+    """Query rows ``[r0, r1)`` in blocks of :data:`MASK_ROWS`: a block's rows see the keys ``[0, r1)``."""
+    return [(r0, min(T, r0 + MASK_ROWS)) for r0 in range(0, T, MASK_ROWS)]
 
-    With autograd, autocast or ``torch.compile`` (:func:`_ordinary`) these are the ordinary
-    whole-tensor ops. Otherwise the work goes in blocks of :data:`MASK_ROWS` query rows, in one
-    reused buffer: rows ``[r0, r1)`` take the scores, scaling, gate, diagonal mask and softmax of
-    the keys ``[0, r1)`` they can see, and the keys right of ``r1`` are written as zeros. About
-    half the arithmetic and memory traffic of whole rows at long contexts, and the same bits
-    (block ends are multiples of :data:`MASK_ROWS`, so a row's sums run over the same lanes as
-    whole rows whose later keys add exact zeros; tested against the ordinary ops). Where ``out=``
-    is refused (forward-mode AD, vmap) before anything is written, the ordinary ops run.
+
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                      log_g: torch.Tensor | None,
+                      dropout: nn.Module | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention with its probabilities: q, k, v (B, nh, T, hs), log_g broadcastable to
+    (B, nh, T, T) ((B, nh, T|1, T)) or None, ``dropout`` the attention dropout when it is active
+    (training with p > 0), else None.
+
+    Returns:
+        att: (B, nh, T, T) softmax(q k^T * scale (+ log g)), zero where the key is later than the query.
+        y: (B, nh, T, hs) dropout(att) @ v.
+
+    With autograd, autocast or ``torch.compile`` (:func:`_ordinary`) the probabilities come from
+    the ordinary whole-tensor ops. Otherwise the work goes in blocks of :data:`MASK_ROWS` query rows
+    in one reused buffer: rows ``[r0, r1)`` take the scores, scaling, gate, diagonal mask and
+    softmax of the keys ``[0, r1)`` they can see, and (without dropout) their output while the
+    block is in cache; the keys right of ``r1`` are written as zeros. About half the arithmetic
+    and memory traffic of whole rows at long contexts, and the same bits: block ends are
+    multiples of :data:`MASK_ROWS`, so a row's sums run over the same lanes as whole rows whose
+    later keys add exact zeros, and the output is taken by the same blocks on both paths
+    (:func:`_causal_product`; tested against the ordinary ops). Where ``out=`` is refused
+    (forward-mode AD, vmap) before anything is written, the ordinary ops run.
     """
-    if not _ordinary(q, k, *(() if log_g is None else (log_g,))):
+    if not _ordinary(q, k, v, *(() if log_g is None else (log_g,))):
         try:
-            return _causal_probabilities_blocked(q, k, scale, log_g)
+            att, y = _causal_attention_blocked(q, k, v if dropout is None else None, scale, log_g)
         except RuntimeError:  # forward-mode AD, vmap: out= is refused before anything is written
             pass
+        else:
+            return att, (y if dropout is None else _causal_product(dropout(att), v))
     scores = (q @ k.transpose(-2, -1)).mul_(scale)  # (B, nh, T, T)
     if log_g is not None:
         scores = scores.add_(log_g)
     scores = scores.masked_fill_(_above_diagonal(q.size(-2), q.device), float("-inf"))
-    return F.softmax(scores, dim=-1)
+    att = F.softmax(scores, dim=-1)
+    return att, _causal_product(att if dropout is None else dropout(att), v)
 
 
-def _causal_probabilities_blocked(q: torch.Tensor, k: torch.Tensor, scale: float,
-                                  log_g: torch.Tensor | None) -> torch.Tensor:
-    """:func:`_causal_probabilities` without autograd, in blocks of query rows (shapes there).
+def _causal_product(att: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """att @ v for causal probabilities, by blocks of :data:`MASK_ROWS` query rows over the keys
+    they can see (the keys right of a block hold zeros and add nothing): att (B, nh, T, T),
+    v (B, nh, T, hs) -> (B, nh, T, hs)."""
+    T = att.size(-1)
+    return torch.cat([att[..., r0:r1, :r1] @ v[..., :r1, :] for r0, r1 in _row_blocks(T)], dim=-2)
+
+
+def _causal_attention_blocked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, scale: float,
+                              log_g: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`_causal_attention` without autograd, in blocks of query rows (shapes there); the
+    output only when ``v`` is given (None: the caller takes it after dropout).
 
     The probabilities go into a fresh buffer advised as huge pages (:mod:`podmonitor.hugepages`:
     one of the monitor's pool while it captures); a block's scores into a reused work buffer."""
     T = q.size(-2)
     lead = q.shape[:-2]  # (B, nh)
-    rows = min(T, MASK_ROWS)
     probs = hugepages.empty((*lead, T, T), q.dtype, q.device)
-    work = hugepages.scratch((lead.numel() * rows * T,), q.dtype, q.device)
-    upper = _above_diagonal(rows, q.device)
-    for r0 in range(0, T, rows):
-        r1 = min(T, r0 + rows)
+    work = hugepages.scratch((lead.numel() * min(T, MASK_ROWS) * T,), q.dtype, q.device)
+    upper = _above_diagonal(min(T, MASK_ROWS), q.device)
+    outputs = []
+    for r0, r1 in _row_blocks(T):
         seen = work[: lead.numel() * (r1 - r0) * r1].view(*lead, r1 - r0, r1)  # keys rows r0..r1-1 can see
         torch.matmul(q[..., r0:r1, :], k[..., :r1, :].transpose(-2, -1), out=seen)
         seen.mul_(scale)
@@ -251,7 +274,9 @@ def _causal_probabilities_blocked(q: torch.Tensor, k: torch.Tensor, scale: float
         torch.softmax(seen, dim=-1, out=seen)
         probs[..., r0:r1, :r1].copy_(seen)
         probs[..., r0:r1, r1:].zero_()
-    return probs
+        if v is not None:
+            outputs.append(seen @ v[..., :r1, :])  # (B, nh, rows, hs), as _causal_product's block
+    return probs, (torch.cat(outputs, dim=-2) if v is not None else None)
 
 
 class CausalSelfAttention(nn.Module):
@@ -338,8 +363,9 @@ class CausalSelfAttention(nn.Module):
 
         # explicit (math) path: materialise the probabilities,
         # scaled, gated (softmax(s + log g) = A g / sum(A g)) and causally masked
-        att = _causal_probabilities(q, k, 1.0 / math.sqrt(k.size(-1)), log_g)  # (B, nh, T, T), rows sum to 1
-        y = self.attn_dropout(att) @ v  # (B, nh, T, T) x (B, nh, T, hs) -> (B, nh, T, hs)
+        dropout = self.attn_dropout if self.training and self.dropout > 0 else None
+        # att (B, nh, T, T), rows sum to 1; y = dropout(att) @ v (B, nh, T, hs)
+        att, y = _causal_attention(q, k, v, 1.0 / math.sqrt(k.size(-1)), log_g, dropout)
         return self.merge_heads(self.apply_head_mask(y)), att
 
 

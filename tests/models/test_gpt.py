@@ -291,16 +291,38 @@ def test_blocked_masking_without_gradients_gives_the_ordinary_maps(variant: dict
     layer outputs: the second layer's maps agree too), and every row is a causal distribution."""
     from podmonitor.models import gpt
 
-    t = 2 * gpt.MASK_ROWS + 37
+    t = 8 * gpt.MASK_ROWS + 37
     model = make_model(block_size=t, n_layer=2, **variant)
     idx = torch.randint(0, 65, (2, t), generator=torch.Generator().manual_seed(11))
     with torch.no_grad():
-        _, _, fast = model(idx, return_attention=True)
-    _, _, plain = model(idx, return_attention=True)
+        fast_logits, _, fast = model(idx, return_attention=True)
+    plain_logits, _, plain = model(idx, return_attention=True)
+    assert torch.equal(fast_logits, plain_logits.detach())
     for a, b in zip(fast, plain, strict=True):
         assert torch.equal(a, b.detach())
         assert torch.count_nonzero(a.triu(1)) == 0
         torch.testing.assert_close(a.sum(-1), torch.ones(a.shape[:-1]), rtol=0, atol=1e-5)
+
+    # one layer's output against the literal product of its probabilities with V, and, in
+    # training mode with attention dropout, the same dropped-out output on both paths
+    attn = model.transformer.h[0].attn
+    x = torch.randn(2, t, 32, generator=torch.Generator().manual_seed(12))
+    with torch.no_grad():
+        y, att = attn(x, return_attention=True)
+        q, k, v = attn.qkv(x)
+        literal = attn.merge_heads(attn.apply_head_mask(att @ v))
+    torch.testing.assert_close(y, literal, rtol=1e-5, atol=1e-6)
+    attn.train()
+    attn.dropout = attn.attn_dropout.p = 0.3
+    torch.manual_seed(13)
+    with torch.no_grad():
+        y_fast, att_fast = attn(x, return_attention=True)
+    torch.manual_seed(13)
+    y_plain, att_plain = attn(x, return_attention=True)
+    assert torch.equal(att_fast, att_plain.detach()) and torch.equal(y_fast, y_plain.detach())
+    attn.eval()
+    with torch.no_grad():
+        assert not torch.allclose(y_fast, attn(x, return_attention=True)[0])  # the dropout acted
 
 
 def test_attention_under_autocast_vmap_and_compile_is_what_the_ordinary_ops_give() -> None:
