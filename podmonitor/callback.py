@@ -543,7 +543,7 @@ class PODMonitor(MonitorCallback):
                 stab = self._stability.get(name)
                 if stab is not None:
                     stab.update(sel, None if lm is None else lm.index_select(0, index.to(lm.device)),
-                                causal=captured.causal)
+                                causal=captured.causal, zeros_above_diagonal=captured.zeros_above_diagonal)
         except MemoryBudgetError as err:
             self._budget_refused(err, int(index.numel()))
             return

@@ -430,3 +430,27 @@ def test_fields_grouped_on_their_way_to_the_engine_give_the_analysis_of_every_sn
         assert got["dominant_scales"] == pytest.approx(ref.dominant_scales, rel=1e-12)
         assert got["t_spec"] == pytest.approx(ref.t_spec, rel=1e-6)
         assert got["entropy"] == pytest.approx(ref.entropy, rel=1e-6)
+
+
+def test_the_stability_pass_checks_zeros_above_the_diagonal_unless_the_capture_wrote_them(tmp_path, monkeypatch):
+    """A model whose ``attention_maps`` promises +0 above the diagonal (as the reference GPT does)
+    is not checked there by the stability pass; one that only says it is causal is, on every
+    monitored batch. The records are the same either way."""
+    import podmonitor.engine.stability as stability
+
+    calls = []
+    check = stability._right_of_blocks_zero
+    monkeypatch.setattr(stability, "_right_of_blocks_zero", lambda *a: calls.append(1) or check(*a))
+
+    class Promising(TinyGPT):
+        attention_zeros_above_diagonal = True
+
+    records = []
+    for cls in (TinyGPT, Promising):
+        calls.clear()
+        monitor = PODMonitor(n_snapshots=12, config=FAST, log_images=False, output_dir=str(tmp_path / cls.__name__))
+        L.seed_everything(0)
+        make_trainer(tmp_path, monitor, max_epochs=1).fit(cls())
+        records.append(read_jsonl(tmp_path / cls.__name__ / "podmonitor.jsonl")[0]["stability"])
+        assert len(calls) == (0 if cls is Promising else 2 * 2)  # two monitored batches, two layers
+    assert records[0] == records[1]

@@ -53,6 +53,11 @@ class CapturedAttention:
             ``fields``), e.g. a failed self-check of the ``sdpa`` adapter. Empty by default.
         counters: named event counts of this batch, e.g. ``{"cross_attention_calls": 2}``.
             Empty by default.
+        zeros_above_diagonal: True when the code that made the fields wrote +0 at every key
+            after its query (podmonitor's own causal recomputation, the reference models;
+            rows with a non-finite visible entry excepted), so that the stability signals need
+            not check those entries (METHOD.md section 10). Only with ``causal=True``. Default
+            False: the entries are checked.
 
     Raises:
         ValueError: a field is not (B, H, T, T), layers disagree on B or T, names are
@@ -68,6 +73,7 @@ class CapturedAttention:
     logit_max: list[torch.Tensor | None] | None = None
     flagged: dict[str, str] = field(default_factory=dict)
     counters: dict[str, int] = field(default_factory=dict)
+    zeros_above_diagonal: bool = False
 
     def __post_init__(self) -> None:
         fields = list(self.fields)
@@ -112,6 +118,9 @@ class CapturedAttention:
             self.valid = self.valid.detach()
         if self.causal is not None:
             self.causal = bool(self.causal)
+        self.zeros_above_diagonal = bool(self.zeros_above_diagonal)
+        if self.zeros_above_diagonal and self.causal is not True:
+            raise ValueError(f"zeros_above_diagonal=True needs causal=True, got causal={self.causal}")
         if self.logit_max is not None:
             self.logit_max = _check_logit_max(self.logit_max, names, out)
         self.flagged = {str(k): str(v) for k, v in dict(self.flagged).items()}
@@ -129,7 +138,8 @@ class CapturedAttention:
 
     @classmethod
     def from_maps(
-        cls, maps: list[torch.Tensor] | tuple[torch.Tensor, ...], causal: bool | None = None
+        cls, maps: list[torch.Tensor] | tuple[torch.Tensor, ...], causal: bool | None = None,
+        zeros_above_diagonal: bool = False,
     ) -> CapturedAttention:
         """Wrap a plain list of (B, H, T, T) maps, named "layer_00", "layer_01", ...
 
@@ -138,7 +148,8 @@ class CapturedAttention:
         """
         if isinstance(maps, torch.Tensor) or not isinstance(maps, (list, tuple)):
             raise TypeError(f"expected a list of (B, H, T, T) tensors, one per layer, got {type(maps).__name__}")
-        return cls(fields=list(maps), layer_names=layer_names(len(maps)), valid=None, causal=causal)
+        return cls(fields=list(maps), layer_names=layer_names(len(maps)), valid=None, causal=causal,
+                   zeros_above_diagonal=zeros_above_diagonal)
 
 
 def _check_logit_max(

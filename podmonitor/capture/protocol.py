@@ -9,8 +9,10 @@ import torch
 from podmonitor.capture.base import CaptureAdapter, CapturedAttention
 
 
-def _causal_flag(module: torch.nn.Module) -> bool | None:
-    flag = getattr(module, "attention_is_causal", None)
+def _flag(module: torch.nn.Module, name: str) -> bool | None:
+    """The module's bool attribute or property ``name`` (called when it is a method); None when
+    it is absent or not a bool."""
+    flag = getattr(module, name, None)
     if callable(flag):
         flag = flag()
     return flag if isinstance(flag, bool) else None
@@ -22,7 +24,11 @@ class ProtocolAdapter(CaptureAdapter):
     The method runs its own forward (in eval mode, without gradients) on the batch; it
     may also return a :class:`CapturedAttention` (to report ``valid`` or its own layer
     names). ``attention_is_causal`` (a bool attribute or property), when present, gives
-    ``causal``. See :class:`podmonitor.models.lightning.GPTLightningModule` for an example.
+    ``causal``; ``attention_zeros_above_diagonal`` (the same), when also True, promises that
+    the maps hold +0 at every key after its query, as the method writes them, so that the
+    stability signals skip their check of those entries (a wrong promise makes them ignore
+    those entries; the POD's own check of the head-averaged fields still runs). See
+    :class:`podmonitor.models.lightning.GPTLightningModule` for an example.
 
     Nothing is attached: :meth:`start` and :meth:`stop` do nothing.
     """
@@ -38,8 +44,11 @@ class ProtocolAdapter(CaptureAdapter):
             maps = module.attention_maps(batch)
         if isinstance(maps, CapturedAttention):
             return maps
+        causal = _flag(module, "attention_is_causal")
         try:
-            return CapturedAttention.from_maps(maps, causal=_causal_flag(module))
+            return CapturedAttention.from_maps(
+                maps, causal=causal,
+                zeros_above_diagonal=causal is True and _flag(module, "attention_zeros_above_diagonal") is True)
         except (TypeError, ValueError) as err:
             raise type(err)(f"{type(module).__name__}.attention_maps(batch): {err}") from err
 

@@ -126,6 +126,9 @@ class Recomputed:
         padded: (B,) bool, True for sequences with a key that the mask blocks for every query
             and head (a padded key); None without a mask.
         causal: every key j > i is blocked (is_causal, or a lower-triangular mask).
+        zeros_above_diagonal: the probabilities were written +0 at every key j > i (the
+            ``is_causal`` call without a mask, :func:`_recompute_causal`; rows with a non-finite
+            score excepted, whose visible entries are then not finite either).
     """
 
     probs: Tensor
@@ -133,6 +136,7 @@ class Recomputed:
     error: float
     padded: Tensor | None
     causal: bool
+    zeros_above_diagonal: bool = False
 
 
 def _rows(t: Tensor | None, r0: int, r1: int) -> Tensor | None:
@@ -209,7 +213,8 @@ def recompute(call: SDPACall, output: Tensor, chunk_bytes: int = DEFAULT_CHUNK_B
     logit_max = torch.full((b, h), -math.inf, dtype=torch.float32, device=q.device)
     if call.is_causal and mask is None:  # the usual causal call: only the keys each row block can see
         error = _recompute_causal(qs, kt, vw, out, v_scale, probs, logit_max, chunk_bytes)
-        return Recomputed(probs=probs, logit_max=logit_max, error=error, padded=None, causal=True)
+        return Recomputed(probs=probs, logit_max=logit_max, error=error, padded=None, causal=True,
+                          zeros_above_diagonal=True)
     # chunks write contiguous blocks of ``probs``: several heads of one sequence (all rows), or, when one
     # head's T x T scores exceed chunk_bytes, rows of one head
     elsize = torch.finfo(work).bits // 8
@@ -418,6 +423,7 @@ class _Record:
     logit_max: Tensor  # (B, H) float32
     padded: Tensor | None  # (B,) bool
     causal: bool
+    zeros_above_diagonal: bool  # (see Recomputed)
 
 
 class SDPAAdapter(CaptureAdapter):
@@ -567,7 +573,8 @@ class SDPAAdapter(CaptureAdapter):
                              "mode, a patched kernel)", sticky=True)
             return
         self._counters["captured_calls"] += 1
-        self._records.append(_Record(name, result.probs, result.logit_max, result.padded, result.causal))
+        self._records.append(_Record(name, result.probs, result.logit_max, result.padded, result.causal,
+                                     result.zeros_above_diagonal))
 
     @staticmethod
     def _unsupported(call: SDPACall, out: Tensor) -> str | None:
@@ -627,6 +634,7 @@ class SDPAAdapter(CaptureAdapter):
             logit_max=[r.logit_max for r in kept],
             flagged=flags,
             counters=counters,
+            zeros_above_diagonal=all(r.zeros_above_diagonal for r in kept),
         )
 
     def _nothing(self, counters: dict[str, int], flags: dict[str, str], started: bool) -> str:

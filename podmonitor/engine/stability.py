@@ -171,7 +171,8 @@ class StabilityAccumulator:
 
     # ------------------------------------------------------------------ update
     @torch.no_grad()
-    def update(self, fields: Tensor, logit_max: Tensor | None = None, causal: bool | None = None) -> None:
+    def update(self, fields: Tensor, logit_max: Tensor | None = None, causal: bool | None = None,
+               zeros_above_diagonal: bool = False) -> None:
         """Add a batch of one layer's attention.
 
         Args:
@@ -179,6 +180,11 @@ class StabilityAccumulator:
             logit_max: (B, H) max pre-softmax logit of each sequence and head, or None.
             causal: whether the attention is causal (n_i = i + 1 visible keys); None infers it
                 from the fields (causal when nothing lies above the diagonal).
+            zeros_above_diagonal: with ``causal=True``, the caller's promise that every entry
+                above the diagonal is +0 (a capture that wrote them so:
+                ``CapturedAttention.zeros_above_diagonal``; rows with a non-finite visible entry
+                excepted, whose sequence is skipped anyway); those entries are then not read.
+                False (default): they are checked, and summed where they are not all +0.
 
         Raises:
             ValueError: ``fields`` is not (B, H, T, T), its head count differs from earlier
@@ -211,7 +217,7 @@ class StabilityAccumulator:
         assert self._entropy_sum is not None and self._sink_sum is not None and self._row_max_sum is not None
         assert self._max_prob is not None and self._max_logit is not None
         blocks = _row_blocks(first, t, causal)
-        right_zero = causal and (inferred or _right_of_blocks_zero(fields, blocks))
+        right_zero = causal and (inferred or zeros_above_diagonal or _right_of_blocks_zero(fields, blocks))
         # each sequence's sums first, then which sequences are finite (one transfer for the batch)
         per_seq = [self._sequence_sums(fields[s].float(), blocks, log_n, first, right_zero, n_rows)
                    for s in range(b)]

@@ -10,8 +10,8 @@ optimiser step.
 Gradient clipping (1.0 in the paper) is NOT done here: set it on the Trainer,
 ``Trainer(gradient_clip_val=1.0, gradient_clip_algorithm="norm")``.
 
-Capture protocol used by the podmonitor callback: :meth:`GPTLightningModule.attention_maps`
-and :attr:`GPTLightningModule.attention_is_causal`.
+Capture protocol used by the podmonitor callback: :meth:`GPTLightningModule.attention_maps`,
+:attr:`GPTLightningModule.attention_is_causal` and :attr:`GPTLightningModule.attention_zeros_above_diagonal`.
 
 Example:
     >>> import lightning as L
@@ -179,6 +179,13 @@ class GPTLightningModule(L.LightningModule):
         EGA "window" gate additionally lets the matrix depend on future tokens through
         its standardisation statistics (see :attr:`information_is_causal`).
         """
+        return True
+
+    @property
+    def attention_zeros_above_diagonal(self) -> bool:
+        """True: :meth:`attention_maps` writes +0 at every key after its query (the explicit
+        path's probabilities; tested), so the monitor's stability signals need not check those
+        entries (see :class:`~podmonitor.capture.ProtocolAdapter`)."""
         return True
 
     @property

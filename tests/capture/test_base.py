@@ -139,8 +139,28 @@ def test_protocol_adapter_collects_maps_and_causal_flag(assert_no_hooks) -> None
         cap = adapter.collect(module, batch, None)
     assert cap.layer_names == ["layer_00", "layer_01"]
     assert cap.causal is True and cap.valid is None
+    assert cap.zeros_above_diagonal is False  # no promise made: the stability pass checks
     assert [tuple(f.shape) for f in cap.fields] == [(3, 3, 8, 8)] * 2
     assert_no_hooks(module)
+
+
+@pytest.mark.parametrize("causal, promise, expected", [(True, True, True), (True, False, False),
+                                                       (None, True, False), (False, True, False)])
+def test_protocol_adapter_takes_the_zeros_promise_only_with_causal_maps(causal, promise, expected) -> None:
+    """``attention_zeros_above_diagonal`` (attribute or method) counts only where the module also
+    says its maps are causal; CapturedAttention refuses the promise without ``causal=True``."""
+
+    class Promising(ProtocolModule):
+        attention_is_causal = causal  # type: ignore[assignment]
+
+        def attention_zeros_above_diagonal(self) -> bool:
+            return promise
+
+    cap = ProtocolAdapter().collect(Promising(), torch.zeros(2, 8), None)
+    assert cap.zeros_above_diagonal is expected
+    for bad in (None, False):
+        with pytest.raises(ValueError, match="zeros_above_diagonal=True needs causal=True"):
+            CapturedAttention(softmax_maps(1), ["a"], causal=bad, zeros_above_diagonal=True)
 
 
 def test_protocol_adapter_shape_error_names_the_method() -> None:
@@ -164,12 +184,41 @@ def test_protocol_adapter_on_reference_gpt_lightning_module(assert_no_hooks) -> 
     with adapter.capturing(module):
         outputs = module.model(x, x)[1]
         cap = adapter.collect(module, (x, x), outputs)
-    assert cap.causal is True
+    assert cap.causal is True and cap.zeros_above_diagonal is True
     assert len(cap.fields) == 2 and cap.fields[0].shape == (2, 2, 16, 16)
     for f in cap.fields:
         torch.testing.assert_close(f.sum(-1), torch.ones(2, 2, 16))
         assert torch.all(f.triu(1) == 0)
     assert_no_hooks(module)
+
+
+@pytest.mark.parametrize("attention", ["softmax", "ega"])
+def test_reference_gpt_keeps_its_zeros_promise(attention) -> None:
+    """The reference module promises +0 at every key after its query: every such entry of its
+    maps has all bits zero (not -0, not a tiny value), over several row blocks of the explicit
+    path, also for EGA and for a model whose scores overflow to NaN in one sequence (its rows
+    are then not finite where the query looks, so the monitor skips the sequence)."""
+    from podmonitor.models import gpt
+    from podmonitor.models.lightning import GPTLightningModule
+
+    t = 2 * gpt.MASK_ROWS + 37
+    torch.manual_seed(0)
+    module = GPTLightningModule(vocab_size=17, block_size=t, n_layer=2, n_head=2, n_embd=16, dropout=0.0,
+                                attention=attention)
+    assert module.attention_zeros_above_diagonal is True
+    x = torch.randint(0, 17, (2, t), generator=torch.Generator().manual_seed(1))
+    cap = ProtocolAdapter().collect(module, (x, x), None)
+    above = torch.ones(t, t, dtype=torch.bool).triu(1)
+    for f in cap.fields:
+        assert torch.count_nonzero(f.view(torch.int32)[..., above]) == 0
+    with torch.no_grad():
+        module.model.transformer.h[0].attn.c_attn.weight[0, 0] = float("nan")
+    for f in ProtocolAdapter().collect(module, (x, x), None).fields:
+        bits = f.view(torch.int32)
+        rows_not_zero = (bits * above != 0).any(dim=-1)  # (B, H, T): rows with an entry above not +0
+        visible_finite = torch.isfinite(f.masked_fill(above, 0.0)).all(dim=-1)
+        assert not (rows_not_zero & visible_finite).any()
+        assert not visible_finite.all()  # the overflow reached the maps
 
 
 # ----------------------------------------------------------------- function adapter

@@ -102,6 +102,7 @@ def test_sdpa_nanogpt_capture_equals_attention_by_hand_and_passes_output_through
     assert torch.equal(out, before)
     assert cap.layer_names == ["transformer.h.0.attn", "transformer.h.1.attn"]
     assert cap.causal is True and cap.valid is None and cap.flagged == {}
+    assert cap.zeros_above_diagonal is True  # is_causal calls, recomputed in row blocks
     assert cap.counters["captured_calls"] == 2 and cap.counters["cross_attention_calls"] == 0
     for f, ref in zip(cap.fields, maps, strict=True):
         torch.testing.assert_close(f, ref, rtol=1e-5, atol=1e-6)
@@ -209,6 +210,7 @@ def test_sdpa_float_sliding_window_mask_as_litgpt_builds_it(chunk_bytes):
         att = ((q @ k.transpose(-1, -2)) / math.sqrt(8)).masked_fill(hidden, -math.inf).softmax(-1)
     torch.testing.assert_close(cap.fields[0], att, rtol=1e-5, atol=1e-6)
     assert cap.causal is True  # a lower-triangular mask
+    assert cap.zeros_above_diagonal is False  # (only an is_causal call without a mask promises it)
     assert float(cap.fields[0][..., hidden].abs().max()) == 0.0
     assert cap.valid.tolist() == [True] * 3  # the window blocks no key for every query: no padding
 
@@ -304,6 +306,10 @@ def test_sdpa_causal_calls_in_row_blocks_equal_the_same_call_with_a_causal_mask(
     torch.testing.assert_close(blocks.logit_max, full.logit_max, rtol=rtol, atol=1e-7)
     assert blocks.error < 1e-5 and full.error < 1e-5 and blocks.causal and blocks.padded is None
     assert torch.all(blocks.probs.triu(1) == 0)
+    # the row-block path promises +0 above the diagonal (every bit zero); the masked path makes no promise
+    assert blocks.zeros_above_diagonal and not full.zeros_above_diagonal
+    above = torch.ones(t, t, dtype=torch.bool).triu(1)
+    assert torch.count_nonzero(blocks.probs.view(torch.int32)[..., above]) == 0
     scores = (q.double() @ k.double().transpose(-1, -2)) / math.sqrt(e)
     literal = scores.masked_fill(~tril, -math.inf).softmax(-1)
     torch.testing.assert_close(blocks.probs.double(), literal, rtol=0, atol=1e-6)

@@ -316,3 +316,39 @@ def test_plogp_matches_float64_p_log_p_and_is_zero_at_zero() -> None:
     assert torch.all(got[0, 0, :7] == 0)
     assert (got - want).abs().max() < 4 * torch.finfo(torch.float32).eps * want.abs().clamp_min(1e-30).max()
     assert torch.allclose(got.sum(-1), want.sum(-1), rtol=1e-6, atol=1e-9)
+
+
+def test_the_zeros_promise_skips_the_check_and_changes_nothing_when_kept(monkeypatch) -> None:
+    """``zeros_above_diagonal=True``: the entries above the diagonal are not read. Where the promise
+    holds (a causal softmax, +0 above the diagonal) the signals are those of the checked update;
+    where it is broken, the entries are ignored (the signals of the same fields with those entries
+    zero), which is why only captures that write them so make it. Bidirectional fields ignore it."""
+    import podmonitor.engine.stability as stability
+
+    calls = []
+    check = stability._right_of_blocks_zero
+    monkeypatch.setattr(stability, "_right_of_blocks_zero", lambda *a: calls.append(1) or check(*a))
+    f = random_fields(2, 3, 150, causal=True, seed=9)
+    lm = torch.randn(2, 3, generator=torch.Generator().manual_seed(2))
+    checked, promised = StabilityAccumulator(), StabilityAccumulator()
+    checked.update(f, lm, causal=True)
+    assert len(calls) == 1
+    promised.update(f, lm, causal=True, zeros_above_diagonal=True)
+    assert len(calls) == 1  # not checked
+    assert promised.compute().to_dict() == checked.compute().to_dict()
+
+    broken = f.clone()
+    broken[1, 2, 70, 140] = 0.25
+    trusted = StabilityAccumulator()
+    trusted.update(broken, lm, causal=True, zeros_above_diagonal=True)
+    assert trusted.compute().to_dict() == checked.compute().to_dict()
+    looked = StabilityAccumulator()
+    looked.update(broken, lm, causal=True)
+    assert looked.compute().to_dict()["max_prob"] != checked.compute().to_dict()["max_prob"] or \
+        looked.compute().to_dict()["entropy"] != checked.compute().to_dict()["entropy"]
+
+    g = random_fields(2, 3, 40, causal=False, seed=10)
+    plain, flagged = StabilityAccumulator(), StabilityAccumulator()
+    plain.update(g, causal=False)
+    flagged.update(g, causal=False, zeros_above_diagonal=True)
+    assert flagged.compute().to_dict() == plain.compute().to_dict()
