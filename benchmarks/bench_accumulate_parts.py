@@ -6,14 +6,16 @@ Usage (from the repository root)::
     python benchmarks/bench_accumulate_parts.py --seq-len 256
 
 For one layer it times what ``PODMonitor`` does with every validation batch of (B, H, L, L) float32
-causal attention (random softmax maps): the head average, the per-head stability signals
-(``StabilityAccumulator.update``) and the engine's update, four ways (batch by batch with the
-default float32 moment products; in groups of ``FEED_BYTES`` of fields, as the monitor queues
-them, without and with a buffer pool in use, as the monitor runs it, so that the update's work
-buffers stay mapped from one call to the next; and batch by batch with float64 products as before
-``PODConfig.moment_dtype``), and the lag-moment
-products alone (``LagShear``, float64 and float32). Each time is the best of ``--repeats`` and is
-also printed scaled to 12 layers and N = 150, the shape of ``bench_validation_run.py``.
+causal attention (random softmax maps): the head average; the per-head stability signals
+(``StabilityAccumulator.update``), checked, and as the monitor runs them for captures that write
++0 after each query (the reference models' and the SDPA adapter's: ``zeros_above_diagonal=True``);
+and the engine's update, four ways (batch by batch with the default float32 moment products; in
+groups of ``FEED_BYTES`` of fields, as the monitor queues them, without and with a buffer pool in
+use, as the monitor runs it, so that the update's work buffers stay mapped from one call to the
+next; and batch by batch with float64 products as before ``PODConfig.moment_dtype``), and the
+lag-moment products alone (``LagShear``, float64 and float32). Each time is the best of
+``--repeats`` and is also printed scaled to 12 layers and N = 150, the shape of
+``bench_validation_run.py``.
 """
 
 from __future__ import annotations
@@ -88,6 +90,8 @@ def main(argv: list[str] | None = None) -> None:
     parts = {
         "head average": lambda: [fields.mean(dim=1) for _ in range(nb)],
         "stability signals (per head)": lambda: [stab.update(fields, causal=True) for _ in range(nb)],
+        "same, zeros above the diagonal promised": lambda: [stab.update(fields, causal=True, zeros_above_diagonal=True)
+                                                            for _ in range(nb)],
         "update, batch by batch": feed(cfg, grouped=False),
         f"update, {group} fields at a time": feed(cfg, grouped=True),
         "same, pooled work buffers (as the monitor)": feed(cfg, grouped=True, pooled=True),
