@@ -424,9 +424,12 @@ class PODAccumulator:
             if filled + (stop - start) > rows_per_feed:
                 self.store.add(rows_buf[:filled])
                 filled = 0
-            flat, rows = part.reshape(stop - start, -1), index.expand(stop - start, -1)
+            # the band entries straight from the input where it is already in the stored dtype
+            # and place (float32 captures: the same values as the converted copy's, half the bytes)
+            source = x[start:stop] if x.dtype == rows_dtype and x.device == dev and x.is_contiguous() else part
+            flat, rows = source.reshape(stop - start, -1), index.expand(stop - start, -1)
             target = rows_buf[filled:filled + stop - start]
-            if rows_dtype == part.dtype:
+            if rows_dtype == source.dtype:
                 torch.gather(flat, 1, rows, out=target)  # (the fastest gather here)
             else:
                 target.copy_(torch.gather(flat, 1, rows))
