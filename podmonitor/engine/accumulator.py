@@ -410,6 +410,9 @@ class PODAccumulator:
         # because the host backs each freshly handed-out 2 MiB block anew)
         rows_buf = torch.empty((rows_per_feed, self.band.size), dtype=rows_dtype, device=dev).zero_()
         index = self.band.flat_index.to(dev).unsqueeze(0)
+        # the band entries straight from the input where it is already in the stored dtype and
+        # place (float32 captures: the same values as the converted copy's, half the bytes)
+        direct = x.dtype == rows_dtype and x.device == dev and x.is_contiguous()
         filled = 0
         for start in range(0, n_b, step):
             stop = min(n_b, start + step)
@@ -424,9 +427,7 @@ class PODAccumulator:
             if filled + (stop - start) > rows_per_feed:
                 self.store.add(rows_buf[:filled])
                 filled = 0
-            # the band entries straight from the input where it is already in the stored dtype
-            # and place (float32 captures: the same values as the converted copy's, half the bytes)
-            source = x[start:stop] if x.dtype == rows_dtype and x.device == dev and x.is_contiguous() else part
+            source = x[start:stop] if direct else part
             flat, rows = source.reshape(stop - start, -1), index.expand(stop - start, -1)
             target = rows_buf[filled:filled + stop - start]
             if rows_dtype == source.dtype:

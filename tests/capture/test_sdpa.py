@@ -58,7 +58,12 @@ def trainer(tmp_path, callbacks, **kw) -> L.Trainer:
 
 
 # ----------------------------------------------------------------------------- nanoGPT through the callback
-def test_sdpa_nanogpt_through_the_callback_matches_attention_by_hand(tmp_path):
+def test_sdpa_nanogpt_through_the_callback_matches_attention_by_hand(tmp_path, monkeypatch):
+    import podmonitor.engine.stability as stability
+
+    checks = []  # the stability pass's check of the entries above the diagonal
+    check = stability._right_of_blocks_zero
+    monkeypatch.setattr(stability, "_right_of_blocks_zero", lambda *a: checks.append(1) or check(*a))
     L.seed_everything(0)
     model = NanoGPTModule()
     monitor = PODMonitor()  # default arguments
@@ -78,6 +83,16 @@ def test_sdpa_nanogpt_through_the_callback_matches_attention_by_hand(tmp_path):
         ref = analyze(att.mean(dim=1), PODConfig(causal=True))
         assert report.t_spec == pytest.approx(ref.t_spec, rel=1e-5)
         assert report.dominant_scales == pytest.approx(ref.dominant_scales, rel=1e-9)
+        # per-head stability signals of the is_causal capture, which promises zeros above the diagonal
+        # (so they are not checked there): the literal normalised row entropy, rows i >= 1
+        a = att.double()
+        t = a.shape[-1]
+        plogp = torch.where(a > 0, a * a.clamp_min(1e-300).log(), torch.zeros_like(a))
+        rows = -plogp[:, :, 1:, :].sum(-1) / torch.log(torch.arange(2, t + 1, dtype=torch.float64))
+        stab = monitor.last_stability_reports[name]
+        assert stab.entropy == pytest.approx(rows.mean(dim=(0, 2)).tolist(), rel=1e-5)
+        assert stab.sink_mass_mean == pytest.approx(float(a[:, :, 1:, 0].mean()), rel=1e-5)
+    assert checks == []
 
     # training is the same with and without the monitor: losses, validation losses and final logits identical
     L.seed_everything(0)
