@@ -15,6 +15,14 @@ next. It prints the median of ``--rounds`` forwards and, with ``--compare OLD_RO
 the ``podmonitor/models/gpt.py`` of another checkout, loaded into this process with the same
 weights and timed alternately with this tree's (two untimed warm-ups each), their ratio, and whether
 both give the same bits (logits and every layer's maps).
+
+It then times, for this tree, the monitor's whole per-batch work on that forward both ways, in
+alternating rounds: with the maps (the forward above, then each layer's head average and per-head
+stability pass, as the monitor runs them when an ``on_attention`` extra or ``per_head`` needs the
+maps) and reduced (the forward under :func:`podmonitor.capture.reduce.reducing`, each layer reduced
+to its head average and stability sums as it is formed: what the monitor runs by default); with the
+memory each way holds for one batch (all layers' maps or head averages), and whether the head
+averages are the same bits.
 """
 
 from __future__ import annotations
@@ -100,6 +108,54 @@ def main(argv: list[str] | None = None) -> None:
     if len(times) == 2:
         this, other = (statistics.median(ts) for ts in times.values())
         print(f"ratio this tree / compared: {this / other:.3f}; same bits (logits and maps): {same}")
+    monitor_work(models["this tree"], idx, pool, args.rounds)
+
+
+def monitor_work(model: torch.nn.Module, idx: torch.Tensor, pool: hugepages.BufferPool, rounds: int) -> None:
+    """The monitor's per-batch work with the maps and reduced, alternating (see the module docstring)."""
+    from podmonitor.capture.reduce import Reduction, reducing
+    from podmonitor.engine.stability import StabilityAccumulator
+
+    def with_maps() -> tuple[float, list[torch.Tensor], int]:
+        with hugepages.use_pool(pool), torch.no_grad():
+            t0 = time.perf_counter()
+            _, _, maps = model(idx, return_attention=True)
+            averages = []
+            for att in maps:
+                averages.append(torch.mean(att, dim=1, out=hugepages.scratch(
+                    (att.shape[0], *att.shape[2:]), att.dtype, att.device)))
+                StabilityAccumulator().update(att, causal=True, zeros_above_diagonal=True)
+            held = sum(a.numel() * a.element_size() for a in maps) + sum(a.numel() * 4 for a in averages)
+            return time.perf_counter() - t0, averages, held
+
+    def reduced() -> tuple[float, list[torch.Tensor], int]:
+        with hugepages.use_pool(pool), torch.no_grad():
+            t0 = time.perf_counter()
+            reduction = Reduction()
+            with reducing(reduction):
+                model(idx, return_attention=True)
+            layers = [layer.result() for layer in reduction.layers]
+            for layer in layers:
+                StabilityAccumulator().add_sums(layer.stability)
+            held = sum(layer.average.numel() * 4 for layer in layers)
+            return time.perf_counter() - t0, [layer.average for layer in layers], held
+
+    ways = {"with the maps": with_maps, "reduced (default)": reduced}
+    results = {label: way() for label, way in ways.items()}  # warm-up, untimed
+    same = all(torch.equal(a, b) for a, b in zip(*(r[1] for r in results.values()), strict=True))
+    held = {label: r[2] for label, r in results.items()}
+    del results
+    times: dict[str, list[float]] = {label: [] for label in ways}
+    for _ in range(rounds):
+        for label, way in ways.items():
+            times[label].append(way()[0])
+    print("the monitor's per-batch work on that forward (capture, head averages, per-head stability signals), "
+          f"this tree, {rounds} alternating rounds")
+    for label, ts in times.items():
+        print(f"{label:>30}: median {statistics.median(ts):.3f} s per batch, holding {held[label] / 2**20:.0f} MiB "
+              f"(rounds {', '.join(f'{t:.3f}' for t in ts)})")
+    a, b = (statistics.median(ts) for ts in times.values())
+    print(f"ratio reduced / with the maps: {b / a:.3f}; head averages the same bits: {same}")
 
 
 if __name__ == "__main__":

@@ -9,8 +9,10 @@ Usage (from the repository root)::
 
 The model is the reference GPT at GPT-2-small's attention shape (12 layers, 12 heads, context
 ``--seq-len``) but a narrow width (``--n-embd``, default 96: head size 8), so that the model's own
-forward stays cheap and what is timed is the monitor: capture (materialising every layer's
-(B, 12, L, L) attention), accumulate (the engine's incremental update), compute (the analysis at
+forward stays cheap and what is timed is the monitor: capture (forming every layer's
+(B, 12, L, L) attention; by default reduced as it is formed, row block by row block, to its head
+average and per-head stability sums, :mod:`podmonitor.capture.reduce`), accumulate (the engine's
+incremental update, and the stability sums), compute (the analysis at
 the end of the run) and logging (how long the validation loop waited for the outputs; pictures
 and sinks run in the background). Two validation runs are monitored with the defaults: the first
 draws pictures (coherency map included where L <= 512), the second does not. It prints one line
@@ -76,6 +78,11 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{i + 1:>3}  {'yes' if i == 0 else 'no':>8}  {parts[0]:9.2f}  {parts[1]:12.2f}  {parts[2]:9.2f}  "
               f"{parts[3]:9.2f}  {total:15.2f}  {'ok' if total <= TARGET_S else 'over'} (target <= {TARGET_S:.0f} s)")
     print(f"whole fit (2 epochs of 1 training step, 2 validation runs, outputs flushed): {wall:.1f} s")
+    if args.device == "cpu":
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+        print(f"peak resident memory of the process: {peak:.2f} GiB")
 
 
 if __name__ == "__main__":

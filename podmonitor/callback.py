@@ -24,6 +24,7 @@ from lightning.pytorch import LightningModule, Trainer
 from . import hugepages
 from .callback_base import MonitorCallback
 from .capture import CaptureAdapter, CapturedAttention, select_adapter
+from .capture.reduce import HeadsFor, ReducedAttention, Reduction
 from .distributed import all_gather_ints, all_gather_object, global_rank, is_distributed, share_quota, world_size
 from .engine import MemoryBudgetError, PODAccumulator, PODConfig, PODReport
 from .engine.stability import StabilityAccumulator
@@ -302,6 +303,7 @@ class PODMonitor(MonitorCallback):
         if self._capturing:
             hugepages.remove_pool(self._map_pool)
         if self._adapter is not None and self._capturing:
+            self._adapter.reduction = None
             try:
                 self._adapter.stop()
             except Exception as err:  # noqa: BLE001 - stop must never raise into training
@@ -403,9 +405,17 @@ class PODMonitor(MonitorCallback):
         try:
             self._capturing = True
             hugepages.push_pool(self._map_pool)  # until _stop_capture
+            # without per-head consumers, captures that can reduce each layer as they form it
+            self._adapter.reduction = Reduction(_heads_for(pl_module)) if self._reduces() else None
             self._adapter.start(pl_module)
         except Exception as err:  # noqa: BLE001
             self._handle("attaching the attention capture", err)
+
+    def _reduces(self) -> bool:
+        """Whether the captures may hand over each layer reduced to its head average and stability
+        sums (:mod:`podmonitor.capture.reduce`): nothing needs the per-head maps (no per-head
+        accumulators, no extra with an ``on_attention`` hook)."""
+        return not self.per_head and all(type(e).on_attention is MonitorExtra.on_attention for e in self.extras)
 
     def _wants_more(self, trainer: Trainer) -> bool:
         """Whether this rank captures more batches in this run."""
@@ -451,7 +461,8 @@ class PODMonitor(MonitorCallback):
             for extra in self.extras:  # after the capture is off: extras may run forward passes
                 self._call_extra(extra, "on_batch", trainer, pl_module, batch, batch_idx, outputs)
 
-    def _collect(self, pl_module: LightningModule, batch: Any, outputs: Any) -> CapturedAttention | None:
+    def _collect(self, pl_module: LightningModule, batch: Any,
+                 outputs: Any) -> CapturedAttention | ReducedAttention | None:
         """The batch's attention from the adapter (None after a failure, which is warned)."""
         assert self._adapter is not None
         t0 = time.perf_counter()
@@ -464,7 +475,7 @@ class PODMonitor(MonitorCallback):
             self._stop_capture()
             self._capture_seconds += time.perf_counter() - t0
 
-    def _usable(self, pl_module: LightningModule, captured: CapturedAttention) -> torch.Tensor:
+    def _usable(self, pl_module: LightningModule, captured: CapturedAttention | ReducedAttention) -> torch.Tensor:
         """Set up the accumulators on the first batch; the indices (b,) of the batch's usable
         sequences: without padding and of the run's sequence length (the others are counted)."""
         for name, reason in captured.flagged.items():
@@ -481,11 +492,14 @@ class PODMonitor(MonitorCallback):
                     del self._accumulators[key]
                 self._pending.pop(name, None)
                 self._stability.pop(name, None)
-        if not captured.fields:
+        if not captured.layer_names:
             raise ValueError("the capture returned no attention layers")
         if not self._layer_names:
             if self._active is None:
                 self._active = _active_heads(pl_module, list(captured.layer_names))
+                if isinstance(captured, ReducedAttention) and _masks_partial(pl_module) and self._active is None:
+                    raise ValueError("the model's head masks do not match its captured attention layers: the "
+                                     "head averages cannot leave out the masked heads")
             self._layer_names = [n for n in captured.layer_names if n not in self._flagged]
             config = self.config
             if captured.causal is not None and config.causal is None:
@@ -501,7 +515,7 @@ class PODMonitor(MonitorCallback):
             for name in self._layer_names:
                 self._accumulators[name] = PODAccumulator(config)
                 self._stability[name] = StabilityAccumulator()
-            if self.per_head:
+            if self.per_head and isinstance(captured, CapturedAttention):
                 for name, f in zip(captured.layer_names, captured.fields, strict=True):
                     if name in self._flagged:
                         continue
@@ -509,8 +523,7 @@ class PODMonitor(MonitorCallback):
                         self._accumulators[f"{name}/head_{h:02d}"] = PODAccumulator(config)
         elif [n for n in captured.layer_names if n not in self._flagged] != self._layer_names:
             raise ValueError("the captured layers changed between batches")
-        n_seq, seq_len = captured.fields[0].shape[0], captured.fields[0].shape[-1]
-        device = captured.fields[0].device
+        n_seq, seq_len, device = captured.batch_size, captured.seq_len, captured.device
         if self._seq_len is None:
             self._seq_len = seq_len
         if seq_len != self._seq_len:
@@ -523,9 +536,12 @@ class PODMonitor(MonitorCallback):
             keep &= valid
         return torch.nonzero(keep).flatten()
 
-    def _add(self, captured: CapturedAttention, index: torch.Tensor) -> None:
+    def _add(self, captured: CapturedAttention | ReducedAttention, index: torch.Tensor) -> None:
         """Head-average the sequences ``index`` (b,) of every reported layer and feed the
         accumulators (POD, per head, the extras' ``on_attention``, stability signals)."""
+        if isinstance(captured, ReducedAttention):
+            self._add_reduced(captured, index)
+            return
         logits = captured.logit_max or [None] * len(captured.fields)
         try:
             for name, f, lm in zip(captured.layer_names, captured.fields, logits, strict=True):
@@ -544,6 +560,27 @@ class PODMonitor(MonitorCallback):
                 if stab is not None:
                     stab.update(sel, None if lm is None else lm.index_select(0, index.to(lm.device)),
                                 causal=captured.causal, zeros_above_diagonal=captured.zeros_above_diagonal)
+        except MemoryBudgetError as err:
+            self._budget_refused(err, int(index.numel()))
+            return
+        self._taken += int(index.numel())
+
+    def _add_reduced(self, captured: ReducedAttention, index: torch.Tensor) -> None:
+        """:meth:`_add` for a capture that reduced every layer as it formed it: the head averages
+        of the sequences ``index`` (b,) to the POD accumulators, their stability sums to the
+        stability signals."""
+        logits = captured.logit_max or [None] * len(captured.layers)
+        try:
+            for name, layer, lm in zip(captured.layer_names, captured.layers, logits, strict=True):
+                if name in self._flagged:
+                    continue
+                whole = index.numel() == layer.average.shape[0]
+                average = layer.average if whole else layer.average.index_select(0, index.to(layer.average.device))
+                self._feed(name, average)
+                stab = self._stability.get(name)
+                if stab is not None:
+                    sums = layer.stability if whole else layer.stability.select(index)
+                    stab.add_sums(sums, None if lm is None else lm.index_select(0, index.to(lm.device)))
         except MemoryBudgetError as err:
             self._budget_refused(err, int(index.numel()))
             return
@@ -907,6 +944,34 @@ def _active_heads(pl_module: LightningModule, layer_names: Sequence[str]) -> dic
     if not masks or len(masks) != len(layer_names):
         return None
     return {name: [bool(v != 0) for v in m.tolist()] for name, m in zip(layer_names, masks, strict=True)}
+
+
+def _masks_partial(pl_module: LightningModule) -> bool:
+    """Whether a reference model's head mask leaves some, not all, heads of a layer out."""
+    from .models.gpt import CausalSelfAttention
+
+    return any(0 < int((m.head_mask != 0).sum()) < m.head_mask.numel()
+               for m in pl_module.modules() if isinstance(m, CausalSelfAttention))
+
+
+def _heads_for(pl_module: LightningModule) -> HeadsFor | None:
+    """For a reduction (:class:`~podmonitor.capture.reduce.Reduction`): the active heads of the
+    reference models' layer at each position, as :func:`_head_average` takes them (all heads when
+    the mask keeps all or none); None without such masks."""
+    from .models.gpt import CausalSelfAttention
+
+    masks = [[bool(v != 0) for v in m.head_mask.tolist()] for m in pl_module.modules()
+             if isinstance(m, CausalSelfAttention)]
+    if not any(0 < sum(m) < len(m) for m in masks):
+        return None
+
+    def heads(position: int, n_heads: int) -> list[int] | None:
+        if position >= len(masks) or len(masks[position]) != n_heads or all(masks[position]) \
+                or not any(masks[position]):
+            return None
+        return [i for i, a in enumerate(masks[position]) if a]
+
+    return heads
 
 
 def _head_average(fields: torch.Tensor, active: Sequence[bool] | None) -> torch.Tensor:

@@ -10,6 +10,11 @@ Adapters (tried in this order by ``select_adapter(module, "auto")``):
 - :class:`FunctionAdapter` ("function"): a user function ``fn(module, batch)``.
 
 Every adapter returns a :class:`CapturedAttention`: per-layer (B, H, T, T) float32 fields.
+When the monitor needs no per-head maps it sets the adapter's ``reduction``; the protocol
+adapter (for models that support it, such as the reference GPT) and the ``sdpa`` adapter then
+return a :class:`~podmonitor.capture.reduce.ReducedAttention` instead: per layer the (B, T, T)
+head average and the stability sums, formed row block by row block without the maps
+(:mod:`podmonitor.capture.reduce`).
 :class:`SDPAHeadMask` scales heads' SDPA outputs (head masking for any SDPA model).
 """
 

@@ -26,6 +26,7 @@ from typing import Any, ClassVar
 import torch
 
 from podmonitor.capture._util import layer_names
+from podmonitor.capture.reduce import ReducedAttention, Reduction
 
 
 @dataclass
@@ -136,6 +137,10 @@ class CapturedAttention:
     def seq_len(self) -> int:
         return self.fields[0].shape[-1]
 
+    @property
+    def device(self) -> torch.device:
+        return self.fields[0].device
+
     @classmethod
     def from_maps(
         cls, maps: list[torch.Tensor] | tuple[torch.Tensor, ...], causal: bool | None = None,
@@ -186,6 +191,12 @@ class CaptureAdapter(abc.ABC):
     name: ClassVar[str]
     #: True when ``"auto"`` chose this adapter as a last resort (:meth:`may_apply`).
     last_resort: bool = False
+    #: Set by the monitor, for the batches it captures, when nothing downstream needs per-head maps:
+    #: an adapter that forms the probabilities itself may hand them to this
+    #: :class:`~podmonitor.capture.reduce.Reduction` row block by row block and return a
+    #: :class:`~podmonitor.capture.reduce.ReducedAttention` (head averages and stability sums)
+    #: instead of a :class:`CapturedAttention`. None (default): return the maps.
+    reduction: Reduction | None = None
     #: named explicitly (``capture="<name>"`` or the class), the adapter is used for any module: its
     #: first batch tells whether it fits (the ``sdpa`` adapter: whether the model calls SDPA at all)
     any_module_when_named: ClassVar[bool] = False
@@ -212,8 +223,10 @@ class CaptureAdapter(abc.ABC):
         """Remove every hook and restore every setting; idempotent."""
 
     @abc.abstractmethod
-    def collect(self, module: torch.nn.Module, batch: Any, outputs: Any) -> CapturedAttention:
-        """The attention of ``batch``, called after ``module.validation_step(batch, ...)`` returned ``outputs``."""
+    def collect(self, module: torch.nn.Module, batch: Any, outputs: Any) -> CapturedAttention | ReducedAttention:
+        """The attention of ``batch``, called after ``module.validation_step(batch, ...)`` returned
+        ``outputs`` (a :class:`~podmonitor.capture.reduce.ReducedAttention` only when
+        :attr:`reduction` is set)."""
 
     @contextlib.contextmanager
     def capturing(self, module: torch.nn.Module) -> Iterator[CaptureAdapter]:

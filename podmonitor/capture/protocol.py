@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
 
+from podmonitor.capture._util import layer_names
 from podmonitor.capture.base import CaptureAdapter, CapturedAttention
+from podmonitor.capture.reduce import ReducedAttention, reducing
 
 
 def _flag(module: torch.nn.Module, name: str) -> bool | None:
@@ -30,6 +33,12 @@ class ProtocolAdapter(CaptureAdapter):
     those entries; the POD's own check of the head-averaged fields still runs). See
     :class:`podmonitor.models.lightning.GPTLightningModule` for an example.
 
+    When the monitor sets :attr:`~podmonitor.capture.base.CaptureAdapter.reduction`, the method
+    runs inside :func:`~podmonitor.capture.reduce.reducing`: a model that forms its attention
+    in row blocks and supports it (the reference models) reduces each layer as it goes and
+    returns no maps; the adapter then returns a :class:`~podmonitor.capture.reduce.ReducedAttention`
+    (causal as ``attention_is_causal`` says). Other models return their maps as always.
+
     Nothing is attached: :meth:`start` and :meth:`stop` do nothing.
     """
 
@@ -39,12 +48,23 @@ class ProtocolAdapter(CaptureAdapter):
     def applies(cls, module: torch.nn.Module) -> bool:
         return callable(getattr(module, "attention_maps", None))
 
-    def collect(self, module: torch.nn.Module, batch: Any, outputs: Any) -> CapturedAttention:
-        with torch.no_grad():
+    def collect(self, module: torch.nn.Module, batch: Any, outputs: Any) -> CapturedAttention | ReducedAttention:
+        reduction = self.reduction
+        if reduction is not None:
+            reduction.clear()
+        with torch.no_grad(), (reducing(reduction) if reduction is not None else contextlib.nullcontext()):
             maps = module.attention_maps(batch)
+        causal = _flag(module, "attention_is_causal")
+        if reduction is not None and reduction.layers:  # the model reduced its attention as it formed it
+            layers, reduction.layers = reduction.layers, []
+            if isinstance(maps, CapturedAttention) or len(maps):
+                raise ValueError(f"{type(module).__name__}.attention_maps(batch) returned maps for some layers "
+                                 f"and reduced {len(layers)} others")
+            return ReducedAttention(layers=[layer.result() for layer in layers],
+                                    layer_names=layer_names(len(layers)),
+                                    causal=all(layer.causal for layer in layers))
         if isinstance(maps, CapturedAttention):
             return maps
-        causal = _flag(module, "attention_is_causal")
         try:
             return CapturedAttention.from_maps(
                 maps, causal=causal,

@@ -32,6 +32,7 @@ from torch.overrides import TorchFunctionMode
 from podmonitor import hugepages
 from podmonitor.capture.base import NOTHING_FITS, CaptureAdapter, CapturedAttention
 from podmonitor.capture.hooks import HookHandles
+from podmonitor.capture.reduce import LayerReduction, ReducedAttention, Reduction
 
 #: the function intercepted (the builtin itself, also when a library wrapped ``F.scaled_dot_product_attention``)
 SDPA = torch._C._nn.scaled_dot_product_attention
@@ -119,7 +120,8 @@ class Recomputed:
 
     Attributes:
         probs: (B, H, T, T) float32: A = softmax(Q K^T * scale + mask); rows whose keys are all
-            blocked are zero (as SDPA's output for them).
+            blocked are zero (as SDPA's output for them). None when the recomputation handed A
+            to a :class:`~podmonitor.capture.reduce.LayerReduction` instead (``reduced``).
         logit_max: (B, H) float32: max of q.k * scale over the queries and visible keys (-inf
             when nothing is visible).
         error: max over (sequence, head) of max |A V - out| / max |V|, over finite entries.
@@ -131,12 +133,13 @@ class Recomputed:
             score excepted, whose visible entries are then not finite either).
     """
 
-    probs: Tensor
+    probs: Tensor | None
     logit_max: Tensor
     error: float
     padded: Tensor | None
     causal: bool
     zeros_above_diagonal: bool = False
+    reduced: LayerReduction | None = None
 
 
 def _rows(t: Tensor | None, r0: int, r1: int) -> Tensor | None:
@@ -162,7 +165,8 @@ def _worst(errors: Tensor, diff: Tensor) -> Tensor:
     return torch.maximum(errors, diff.amax()) if diff.numel() else errors
 
 
-def recompute(call: SDPACall, output: Tensor, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Recomputed:
+def recompute(call: SDPACall, output: Tensor, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+              reduction: Reduction | None = None, position: int = 0) -> Recomputed:
     """Recompute A of a 4-d self-attention call and self-check it against the call's ``output``.
 
     Exactly SDPA's semantics: scale defaults to 1/sqrt(E); a bool mask is True where a key may
@@ -178,6 +182,10 @@ def recompute(call: SDPACall, output: Tensor, chunk_bytes: int = DEFAULT_CHUNK_B
             (B, H or H_kv, T, Ev), attn_mask broadcastable to (B, H, T, T).
         output: what the call returned, (B, H, T, Ev).
         chunk_bytes: working memory per chunk of queries.
+        reduction: when given, A is not kept: a new layer of it (not yet added to its layers;
+            ``position`` says which heads it averages) takes A row block by row block (the
+            ``is_causal`` call without a mask) or whole (``Recomputed.reduced``).
+        position: the layer's position among the capture's layers (for ``reduction``).
 
     Returns:
         :class:`Recomputed`.
@@ -209,12 +217,18 @@ def recompute(call: SDPACall, output: Tensor, chunk_bytes: int = DEFAULT_CHUNK_B
         column = blocked.all(dim=-2).all(dim=1)  # (B | 1, S): blocked for every query of every head
         padded = column.any(dim=-1).expand(b).to(q.device)
         mask4 = mask4.expand(b, h, t, t)
-    probs = hugepages.empty((b, h, t, t), torch.float32, q.device)  # fresh memory: faulted in by huge pages
     logit_max = torch.full((b, h), -math.inf, dtype=torch.float32, device=q.device)
     if call.is_causal and mask is None:  # the usual causal call: only the keys each row block can see
+        if reduction is not None:
+            layer = reduction.make_layer(b, h, t, True, q.device, position)
+            error = _recompute_causal(qs, kt, vw, out, v_scale, None, logit_max, chunk_bytes, layer)
+            return Recomputed(probs=None, logit_max=logit_max, error=error, padded=None, causal=True,
+                              zeros_above_diagonal=True, reduced=layer)
+        probs = hugepages.empty((b, h, t, t), torch.float32, q.device)  # fresh memory: faulted in by huge pages
         error = _recompute_causal(qs, kt, vw, out, v_scale, probs, logit_max, chunk_bytes)
         return Recomputed(probs=probs, logit_max=logit_max, error=error, padded=None, causal=True,
                           zeros_above_diagonal=True)
+    probs = hugepages.empty((b, h, t, t), torch.float32, q.device)  # fresh memory: faulted in by huge pages
     # chunks write contiguous blocks of ``probs``: several heads of one sequence (all rows), or, when one
     # head's T x T scores exceed chunk_bytes, rows of one head
     elsize = torch.finfo(work).bits // 8
@@ -257,11 +271,15 @@ def recompute(call: SDPACall, output: Tensor, chunk_bytes: int = DEFAULT_CHUNK_B
             diff.masked_fill_(dead, 0.0)
         errors = _worst(errors, diff)
     error = float(errors)
+    if reduction is not None:  # A of a masked or bidirectional call, reduced whole
+        layer = reduction.make_layer(b, h, t, causal, q.device, position)
+        layer.add_maps(probs)
+        return Recomputed(probs=None, logit_max=logit_max, error=error, padded=padded, causal=causal, reduced=layer)
     return Recomputed(probs=probs, logit_max=logit_max, error=error, padded=padded, causal=causal)
 
 
-def _recompute_causal(qs: Tensor, kt: Tensor, vw: Tensor, out: Tensor, v_scale: Tensor, probs: Tensor,
-                      logit_max: Tensor, chunk_bytes: int) -> float:
+def _recompute_causal(qs: Tensor, kt: Tensor, vw: Tensor, out: Tensor, v_scale: Tensor, probs: Tensor | None,
+                      logit_max: Tensor, chunk_bytes: int, layer: LayerReduction | None = None) -> float:
     """:func:`recompute` of an ``is_causal`` call without a mask, in row blocks that read only the
     keys they can see: rows [r0, r1) take the scores, softmax and self-check of keys [0, r1), and
     only the block's diagonal square is masked. About half the work and memory traffic of full
@@ -273,6 +291,8 @@ def _recompute_causal(qs: Tensor, kt: Tensor, vw: Tensor, out: Tensor, v_scale: 
         vw: (B, H, T, Ev) values; out: (B, H, T, Ev) the call's output; v_scale: (B, H, 1, 1).
         probs: (B, H, T, T) float32, filled here; logit_max: (B, H) float32, raised here.
         chunk_bytes: working memory of one block's scores.
+        layer: instead of ``probs`` (None), takes each block's A (all heads of a sequence in
+            one block).
 
     Returns:
         The self-check error: max over (sequence, head) of max |A V - out| / max |V|.
@@ -280,8 +300,12 @@ def _recompute_causal(qs: Tensor, kt: Tensor, vw: Tensor, out: Tensor, v_scale: 
     b, h, t, _ = qs.shape
     work = qs.dtype
     elsize = torch.finfo(work).bits // 8
-    rows_per = max(1, min(t, CAUSAL_BLOCK_ROWS, chunk_bytes // (t * elsize)))
-    heads_per = max(1, min(h, chunk_bytes // (rows_per * t * elsize)))
+    if layer is None:
+        rows_per = max(1, min(t, CAUSAL_BLOCK_ROWS, chunk_bytes // (t * elsize)))
+        heads_per = max(1, min(h, chunk_bytes // (rows_per * t * elsize)))
+    else:  # a reduction averages the heads of each block: all of them at once
+        rows_per = max(1, min(t, CAUSAL_BLOCK_ROWS, chunk_bytes // (h * t * elsize)))
+        heads_per = h
     buffer = torch.empty(heads_per * rows_per * t, dtype=work, device=qs.device)  # one block's scores, reused
     upper = torch.ones(rows_per, rows_per, dtype=torch.bool, device=qs.device).triu(1)  # j > i in a square
     errors = torch.zeros((), dtype=work, device=qs.device)
@@ -292,8 +316,12 @@ def _recompute_causal(qs: Tensor, kt: Tensor, vw: Tensor, out: Tensor, v_scale: 
         lm = scores.amax(dim=(-2, -1)).float()  # (h,): over visible keys
         logit_max[bi, h0:h1] = torch.maximum(logit_max[bi, h0:h1], lm)
         a = torch.softmax(scores, dim=-1, out=scores)
-        probs[bi, h0:h1, r0:r1, :r1].copy_(a)
-        probs[bi, h0:h1, r0:r1, r1:].zero_()
+        if layer is not None:
+            layer.add(slice(bi, bi + 1), r0, a[None])
+        else:
+            assert probs is not None
+            probs[bi, h0:h1, r0:r1, :r1].copy_(a)
+            probs[bi, h0:h1, r0:r1, r1:].zero_()
         diff = (a @ vw[bi, h0:h1, :r1]).sub_(out[bi, h0:h1, r0:r1].to(work)).abs_().div_(v_scale[bi, h0:h1])
         errors = _worst(errors, diff)
     return float(errors)
@@ -419,7 +447,8 @@ class _Interceptor(TorchFunctionMode):
 @dataclass
 class _Record:
     name: str
-    probs: Tensor  # (B, H, T, T) float32
+    probs: Tensor | None  # (B, H, T, T) float32, or None when reduced
+    reduced: LayerReduction | None
     logit_max: Tensor  # (B, H) float32
     padded: Tensor | None  # (B,) bool
     causal: bool
@@ -453,6 +482,11 @@ class SDPAAdapter(CaptureAdapter):
     (``is_causal`` or a mask blocking every j > i), else False. ``logit_max``: the (B, H) max
     of q.k * scale over visible keys. A layer's (B, H, T, T) map is kept only until
     :meth:`collect` hands it over; the recomputation goes ``chunk_bytes`` of queries at a time.
+    With :attr:`reduction` set (by the monitor, when it needs no per-head maps), no map is
+    kept: each call's A goes to a :class:`~podmonitor.capture.reduce.LayerReduction` (an
+    ``is_causal`` call block by block, as it is formed; other calls once recomputed) and
+    :meth:`collect` returns a :class:`~podmonitor.capture.reduce.ReducedAttention`, whose
+    stability sums take each layer's own ``causal``.
 
     Args:
         chunk_bytes: working memory of the recomputation per chunk of query rows.
@@ -564,7 +598,7 @@ class SDPAAdapter(CaptureAdapter):
             if call.dropout_p > 0:
                 self._counters["dropout_calls"] += 1
                 reference = func(**call.without_dropout())
-            result = recompute(call, reference, self.chunk_bytes)
+            result = recompute(call, reference, self.chunk_bytes, self.reduction, len(self._records))
         tol = SELF_CHECK_TOLERANCE.get(q.dtype, 1e-4)
         if not result.error <= tol:
             self._flag(name, f"self-check failed: A V differs from scaled_dot_product_attention's output by "
@@ -573,8 +607,8 @@ class SDPAAdapter(CaptureAdapter):
                              "mode, a patched kernel)", sticky=True)
             return
         self._counters["captured_calls"] += 1
-        self._records.append(_Record(name, result.probs, result.logit_max, result.padded, result.causal,
-                                     result.zeros_above_diagonal))
+        self._records.append(_Record(name, result.probs, result.reduced, result.logit_max, result.padded,
+                                     result.causal, result.zeros_above_diagonal))
 
     @staticmethod
     def _unsupported(call: SDPACall, out: Tensor) -> str | None:
@@ -598,7 +632,7 @@ class SDPAAdapter(CaptureAdapter):
             self._sticky[name] = reason
 
     # ----------------------------------------------------------------- collect
-    def collect(self, module: nn.Module, batch: Any, outputs: Any) -> CapturedAttention:
+    def collect(self, module: nn.Module, batch: Any, outputs: Any) -> CapturedAttention | ReducedAttention:
         """The attention of the self-attention calls intercepted during the validation step.
 
         Layers of a (B, T) other than the most common one are flagged for this batch.
@@ -613,7 +647,8 @@ class SDPAAdapter(CaptureAdapter):
         self._clear()
         if not records:
             raise RuntimeError(self._nothing(counters, flags, started))
-        shapes = [(r.probs.shape[0], r.probs.shape[-1]) for r in records]
+        shapes = [(r.logit_max.shape[0], (r.probs if r.reduced is None else r.reduced.average).shape[-1])
+                  for r in records]
         common = max(set(shapes), key=shapes.count)
         kept = []
         for r, shape in zip(records, shapes, strict=True):
@@ -626,6 +661,16 @@ class SDPAAdapter(CaptureAdapter):
             if r.padded is not None:
                 v = ~r.padded
                 valid = v if valid is None else valid & v
+        if self.reduction is not None:  # every record was reduced (see _record)
+            return ReducedAttention(
+                layers=[r.reduced.result() for r in kept],  # type: ignore[union-attr]
+                layer_names=[r.name for r in kept],
+                valid=valid,
+                causal=all(r.causal for r in kept),
+                logit_max=[r.logit_max for r in kept],
+                flagged=flags,
+                counters=counters,
+            )
         return CapturedAttention(
             fields=[r.probs for r in kept],
             layer_names=[r.name for r in kept],

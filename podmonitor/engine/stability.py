@@ -72,6 +72,122 @@ def _right_of_blocks_zero(fields: Tensor, blocks: list[tuple[int, int, int]]) ->
     return not bool(signed | (total != 0))
 
 
+def _first_row(t: int, causal: bool) -> int:
+    """The first row whose normalised entropy is defined (at least 2 visible keys)."""
+    return 1 if causal else (0 if t > 1 else t)
+
+
+@dataclass
+class StabilitySums:
+    """One layer's per-sequence contributions to the stability sums, before the finiteness
+    decision (:meth:`StabilityAccumulator.add_sums`).
+
+    Attributes:
+        entropy: (B, H) float64, sum over the rows with >= 2 visible keys of the normalised row entropy.
+        row_max_sum: (B, H) float64, sum over those rows of the row maximum.
+        row_max_peak: (B, H) float32, the largest of those row maxima (-inf without such rows).
+        sink: (B, H) float64, sum of A[i, 0] over the queries i >= 1.
+        check: (B,) float64, finite exactly when every entry of the sequence is (a sum that every
+            entry enters, through ``p log p`` or directly).
+        causal: whether row i has i + 1 visible keys (else T).
+        seq_len: T.
+    """
+
+    entropy: Tensor
+    row_max_sum: Tensor
+    row_max_peak: Tensor
+    sink: Tensor
+    check: Tensor
+    causal: bool
+    seq_len: int
+
+    def select(self, index: Tensor) -> StabilitySums:
+        """The sums of the sequences ``index`` (b,)."""
+        pick = [x.index_select(0, index.to(x.device)) for x in
+                (self.entropy, self.row_max_sum, self.row_max_peak, self.sink, self.check)]
+        return StabilitySums(*pick, causal=self.causal, seq_len=self.seq_len)
+
+
+class StabilityRows:
+    """Builds the :class:`StabilitySums` of one layer's (B, H, T, T) attention from its row blocks,
+    in any order, so that a capture forming the probabilities block by block need not keep them
+    (:class:`podmonitor.capture.reduce.LayerReduction`); :meth:`StabilityAccumulator.update` uses
+    it on whole maps.
+
+    Example:
+        >>> rows = StabilityRows(b=2, h=12, t=1024, causal=True, device=torch.device("cpu"))
+        >>> rows.add(slice(0, 2), slice(0, 12), r0, block)  # block (2, 12, r1 - r0, k), zeros right of k
+        >>> acc.add_sums(rows.sums())
+    """
+
+    def __init__(self, b: int, h: int, t: int, causal: bool, device: torch.device) -> None:
+        self.t, self.causal = t, causal
+        self.first = _first_row(t, causal)
+        zeros = torch.zeros((b, h), dtype=torch.float64, device=device)
+        self.entropy, self.row_max_sum, self.sink = zeros, zeros.clone(), zeros.clone()
+        self.row_max_peak = torch.full((b, h), -math.inf, dtype=torch.float32, device=device)
+        self.check = torch.zeros(b, dtype=torch.float64, device=device)
+        # log of each row's visible keys (row i: i + 1 when causal, else T)
+        self.log_n = (torch.log(torch.arange(1, t + 1, device=device, dtype=torch.float64)) if causal
+                      else torch.full((t,), math.log(max(t, 1)), device=device, dtype=torch.float64))
+        self.work: Tensor | None = None  # float32 scratch for p log p, reused (grown as needed)
+
+    def add(self, seqs: slice, heads: slice, r0: int, block: Tensor, rest: Tensor | None = None) -> None:
+        """Add the rows ``[r0, r0 + rows)`` of the sequences ``seqs`` and heads ``heads``.
+
+        Args:
+            seqs, heads: which part of the (B, H) sums the block belongs to.
+            r0: the block's first row.
+            block: (b, h, rows, k) float32 probabilities of the keys ``[0, k)``; every key right of
+                ``k`` holds +0 unless given in ``rest``. Each row, sequence and head is added once.
+            rest: (b, h, rows, T - k) float32, the keys right of ``k`` when they are not all +0.
+        """
+        rows = block.shape[-2]
+        if r0 < 1 <= r0 + rows and block.shape[-1] > 0:  # sink mass: A[i, 0] over the queries i >= 1
+            self.sink[seqs, heads] += block[..., max(0, 1 - r0):, 0].sum(dim=-1, dtype=torch.float64)
+        elif r0 >= 1 and block.shape[-1] > 0:
+            self.sink[seqs, heads] += block[..., 0].sum(dim=-1, dtype=torch.float64)
+        skip = max(0, self.first - r0)  # rows without a defined entropy (query 0 of causal attention)
+        if skip:
+            self.add_head_rows(seqs, block[..., :skip, :], rest=None if rest is None else rest[..., :skip, :])
+            block, rest = block[..., skip:, :], (None if rest is None else rest[..., skip:, :])
+            r0, rows = r0 + skip, rows - skip
+        if rows <= 0:
+            return
+        work = self._work(block.numel(), block.device)
+        plogp = plogp_(block, work[:block.numel()].view(block.shape))
+        row_h = plogp.sum(dim=-1)  # (b, h, rows) float32: sum_j p log p
+        row_max = block.amax(dim=-1) if block.shape[-1] else torch.zeros_like(row_h)
+        if rest is not None and rest.shape[-1]:  # keys right of k that are not all zero
+            row_h += plogp_(rest, torch.empty_like(rest)).sum(dim=-1)
+            row_max = torch.maximum(row_max, rest.amax(dim=-1))
+        elif block.shape[-1] < self.t:
+            row_max = row_max.clamp_min(0)
+        ent = (row_h.double() / self.log_n[r0:r0 + rows]).sum(dim=-1)  # (b, h)
+        self.entropy[seqs, heads] -= ent
+        self.row_max_sum[seqs, heads] += row_max.sum(dim=-1, dtype=torch.float64)
+        self.row_max_peak[seqs, heads] = torch.maximum(self.row_max_peak[seqs, heads], row_max.amax(dim=-1))
+        self.check[seqs] += ent.sum(dim=-1)
+
+    def add_head_rows(self, seqs: slice | int, rows: Tensor, rest: Tensor | None = None) -> None:
+        """Rows without a defined entropy (``rows`` (..., r, k)): they only enter the finiteness check."""
+        seqs = slice(seqs, seqs + 1) if isinstance(seqs, int) else seqs
+        total = rows.reshape(rows.shape[0] if rows.dim() == 4 else 1, -1).sum(dim=-1, dtype=torch.float64)
+        if rest is not None:
+            total = total + rest.reshape(total.shape[0], -1).sum(dim=-1, dtype=torch.float64)
+        self.check[seqs] += total
+
+    def _work(self, numel: int, device: torch.device) -> Tensor:
+        if self.work is None or self.work.numel() < numel or self.work.device != device:
+            self.work = torch.empty(numel, dtype=torch.float32, device=device)
+        return self.work
+
+    def sums(self) -> StabilitySums:
+        """What was added, as :class:`StabilitySums`."""
+        return StabilitySums(self.entropy, self.row_max_sum, self.row_max_peak, self.sink, self.check,
+                             causal=self.causal, seq_len=self.t)
+
+
 def _finite_or_none(x: float | None) -> float | None:
     return None if x is None or not math.isfinite(x) else float(x)
 
@@ -206,31 +322,48 @@ class StabilityAccumulator:
         if inferred:  # causal when nothing lies above the diagonal (NaN there: not causal)
             causal = max_above_diagonal(fields.reshape(b * h, t, t)) == 0 if t > 1 else True
         causal = bool(causal)
-        device = fields.device
-        # rows whose normalised entropy is defined (n_i >= 2 visible keys) and their log(n_i)
-        if causal:
-            first, log_n = 1, torch.log(torch.arange(2, t + 1, device=device, dtype=torch.float64))
-        else:
-            first, log_n = (0 if t > 1 else t), torch.full((t,), math.log(max(t, 1)), device=device,
-                                                           dtype=torch.float64)
+        first = _first_row(t, causal)
+        blocks = _row_blocks(first, t, causal)
+        right_zero = causal and (inferred or zeros_above_diagonal or _right_of_blocks_zero(fields, blocks))
+        rows = StabilityRows(b, h, t, causal, fields.device)
+        if t > 1:
+            rows.work = self._work(h * (blocks[0][1] - blocks[0][0]) * t, fields.device)
+        # each sequence's sums first, then which sequences are finite (one transfer for the batch)
+        for s in range(b):
+            a = fields[s].float()  # (H, T, T)
+            rows.add_head_rows(s, a[:, :first])
+            for r0, r1, k in blocks:
+                rest = None if right_zero or k == t else a[None, :, r0:r1, k:]
+                rows.add(slice(s, s + 1), slice(None), r0, a[None, :, r0:r1, :k], rest)
+        self.add_sums(rows.sums(), logit_max)
+
+    def add_sums(self, sums: StabilitySums, logit_max: Tensor | None = None) -> None:
+        """Add one layer's per-sequence sums (from :class:`StabilityRows`: a capture that reduces
+        its row blocks as it forms them, or :meth:`update`); sequences with a non-finite entry are
+        counted as skipped.
+
+        Args:
+            sums: the batch's :class:`StabilitySums` (B sequences of H heads).
+            logit_max: (B, H) max pre-softmax logit of each sequence and head, or None.
+
+        Raises:
+            ValueError: the head count differs from earlier batches, or ``logit_max`` is not (B, H).
+        """
+        b, h = sums.entropy.shape
+        if self.n_heads is None:
+            self._init(h)
+        elif h != self.n_heads:
+            raise ValueError(f"fields have {h} heads, earlier batches had {self.n_heads}")
+        if logit_max is not None and tuple(logit_max.shape) != (b, h):
+            raise ValueError(f"logit_max must be (B, H) = {(b, h)}, got shape {tuple(logit_max.shape)}")
+        t, causal = sums.seq_len, sums.causal
         n_rows = max(0, t - 1) if causal else (t if t > 1 else 0)
         assert self._entropy_sum is not None and self._sink_sum is not None and self._row_max_sum is not None
         assert self._max_prob is not None and self._max_logit is not None
-        blocks = _row_blocks(first, t, causal)
-        right_zero = causal and (inferred or zeros_above_diagonal or _right_of_blocks_zero(fields, blocks))
-        # each sequence's sums first, then which sequences are finite (one transfer for the batch)
-        per_seq = [self._sequence_sums(fields[s].float(), blocks, log_n, first, right_zero, n_rows)
-                   for s in range(b)]
-        if n_rows:
-            # every entry enters a block's sum of p log p (first..T-1 rows; right of a causal block
-            # only when not all zero), where a NaN or Inf makes the sum non-finite; row 0 apart
-            flags = [torch.isfinite(torch.stack((ent_sum.sum(), fields[s, :, :first].float().sum())))
-                     for s, (ent_sum, _, _, _) in enumerate(per_seq)]
-        else:  # no rows with a defined entropy (T = 1): look at every entry
-            flags = [torch.isfinite(torch.stack(torch.aminmax(fields[s]))) for s in range(b)]
-        finite = torch.stack(flags).all(dim=1).tolist() if b else []
-        # the sums in the same order as one sequence at a time, on the fields' device (one
-        # transfer back per batch; on the CPU these are the state's own tensors)
+        finite = torch.isfinite(sums.check).tolist()
+        # the sums in the same order as one sequence at a time, on the sums' device (one transfer
+        # back per batch; on the CPU these are the state's own tensors)
+        device = sums.entropy.device
         ent, sink, row_max_total = (x.to(device) for x in (self._entropy_sum, self._sink_sum, self._row_max_sum))
         max_prob, max_logit = self._max_prob.to(device), self._max_logit.to(device)
         used = 0
@@ -239,13 +372,12 @@ class StabilityAccumulator:
                 self.n_skipped_nonfinite += 1
                 continue
             used += 1
-            ent_sum, row_max_sum, row_max_peak, sink_sum = per_seq[s]
             if n_rows:
-                ent += ent_sum
-                row_max_total += row_max_sum
-                max_prob = torch.maximum(max_prob, row_max_peak.double())
+                ent += sums.entropy[s]
+                row_max_total += sums.row_max_sum[s]
+                max_prob = torch.maximum(max_prob, sums.row_max_peak[s].double())
             if t > 1:
-                sink += sink_sum
+                sink += sums.sink[s]
             if logit_max is not None:
                 lm = logit_max[s].detach().double().to(device)
                 max_logit = torch.maximum(max_logit, lm.nan_to_num(nan=-math.inf))
@@ -258,66 +390,6 @@ class StabilityAccumulator:
             self.n_logit_snapshots += used
         if used:
             self.causal_seen.add(causal)
-
-    def _sequence_sums(self, a: Tensor, blocks: list[tuple[int, int, int]], log_n: Tensor, first: int,
-                       right_zero: bool, n_rows: int) -> tuple[Tensor | None, Tensor | None, Tensor | None,
-                                                               Tensor | None]:
-        """One sequence's contributions: entropy, row-maximum sum and peak (None without rows
-        whose entropy is defined), and the sink sum (None for T = 1); see
-        :meth:`_entropy_and_row_max`. ``a`` is (H, T, T) float32."""
-        sums: tuple[Tensor | None, Tensor | None, Tensor | None] = (None, None, None)
-        if n_rows:
-            sums = self._entropy_and_row_max(a, blocks, log_n, first, right_zero)
-        sink = a[:, 1:, 0].sum(dim=-1, dtype=torch.float64) if a.shape[-1] > 1 else None
-        return (*sums, sink)
-
-    def _entropy_and_row_max(self, a: Tensor, blocks: list[tuple[int, int, int]], log_n: Tensor,
-                             first: int, right_zero: bool) -> tuple[Tensor, Tensor, Tensor]:
-        """One finite sequence's sums over its rows ``first..T-1``.
-
-        Works in row blocks ``[r0, r1)`` whose keys ``[:k]`` hold everything a causal row can see
-        (k = r1; all T keys for bidirectional attention). The keys right of a block, which causal
-        attention leaves at zero, enter only if they are not all zero, so the sums are those over
-        every key (0 log 0 = 0, and a zero does not raise a row maximum of probabilities);
-        ``right_zero`` says they are all zero (checked once per batch by the caller).
-        ``p log p`` is evaluated and summed over each row's keys in the field's float32 (torch's
-        cascade sum: about 1e-7 relative for rows of a few thousand keys, whose terms all have one
-        sign); the rows' normalised entropies are summed in float64.
-
-        Args:
-            a: (H, T, T) float32 probabilities.
-            blocks: ``(r0, r1, k)`` row blocks covering rows ``first..T-1``.
-            log_n: (T - first,) float64 log of each row's visible keys.
-            first: the first row with a defined entropy.
-            right_zero: every key right of the causal row blocks is zero.
-
-        Returns:
-            entropy: (H,) float64 sum over the rows of the normalised row entropy.
-            row_max_sum: (H,) float64 sum over the rows of the row maximum.
-            row_max_peak: (H,) float32 largest row maximum.
-        """
-        h, t = a.shape[0], a.shape[-1]
-        work = self._work(h * (blocks[0][1] - blocks[0][0]) * t, a.device)
-        ent = torch.zeros(h, dtype=torch.float64, device=a.device)
-        row_max_sum = torch.zeros(h, dtype=torch.float64, device=a.device)
-        peaks = []
-        for r0, r1, k in blocks:
-            rows = r1 - r0
-            block = a[:, r0:r1, :k]  # (H, rows, k)
-            plogp = plogp_(block, work[:h * rows * k].view(h, rows, k))
-            row_h = plogp.sum(dim=-1)  # (H, rows) float32: sum_j p log p
-            row_max = block.amax(dim=-1)  # (H, rows)
-            if k < t:
-                rest = a[:, r0:r1, k:]
-                if not right_zero:  # not causal after all: the keys right count too
-                    row_h += plogp_(rest, torch.empty_like(rest)).sum(dim=-1)
-                    row_max = torch.maximum(row_max, rest.amax(dim=-1))
-                else:
-                    row_max = row_max.clamp_min(0)
-            ent -= (row_h.double() / log_n[r0 - first:r1 - first]).sum(dim=-1)
-            row_max_sum += row_max.sum(dim=-1, dtype=torch.float64)
-            peaks.append(row_max.amax(dim=-1))
-        return ent, row_max_sum, torch.stack(peaks).amax(dim=0)
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickled without the scratch buffers."""
@@ -473,4 +545,4 @@ class StabilityAccumulator:
         )
 
 
-__all__ = ["StabilityAccumulator", "StabilityReport"]
+__all__ = ["StabilityAccumulator", "StabilityReport", "StabilityRows", "StabilitySums"]

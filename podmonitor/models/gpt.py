@@ -51,6 +51,7 @@ import torch.nn as nn
 from torch.nn import functional as F
 
 from podmonitor import hugepages
+from podmonitor.capture.reduce import current_reduction
 
 AttentionKind = Literal["softmax", "ega"]
 EGAGate = Literal["causal", "window"]
@@ -208,13 +209,15 @@ def _row_blocks(T: int) -> list[tuple[int, int]]:
 
 def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                       log_g: torch.Tensor | None,
-                      dropout: nn.Module | None) -> tuple[torch.Tensor, torch.Tensor]:
+                      dropout: nn.Module | None) -> tuple[torch.Tensor | None, torch.Tensor]:
     """Causal attention with its probabilities: q, k, v (B, nh, T, hs), log_g broadcastable to
     (B, nh, T, T) ((B, nh, T|1, T)) or None, ``dropout`` the attention dropout when it is active
     (training with p > 0), else None.
 
     Returns:
-        att: (B, nh, T, T) softmax(q k^T * scale (+ log g)), zero where the key is later than the query.
+        att: (B, nh, T, T) softmax(q k^T * scale (+ log g)), zero where the key is later than the
+            query; None when a capture's reduction took it block by block
+            (:func:`~podmonitor.capture.reduce.reducing`, without dropout).
         y: (B, nh, T, hs) dropout(att) @ v.
 
     With autograd, autocast or ``torch.compile`` (:func:`_ordinary`) the probabilities come from
@@ -234,6 +237,8 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
         except RuntimeError:  # forward-mode AD, vmap: out= is refused before anything is written
             pass
         else:
+            if att is None:  # reduced by the capture (no dropout then)
+                return None, y
             return att, (y if dropout is None else _causal_product(dropout(att), v))
     scores = (q @ k.transpose(-2, -1)).mul_(scale)  # (B, nh, T, T)
     if log_g is not None:
@@ -252,15 +257,20 @@ def _causal_product(att: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
 
 def _causal_attention_blocked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, scale: float,
-                              log_g: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                              log_g: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """:func:`_causal_attention` without autograd, in blocks of query rows (shapes there); the
     output only when ``v`` is given (None: the caller takes it after dropout).
 
     The probabilities go into a fresh buffer advised as huge pages (:mod:`podmonitor.hugepages`:
-    one of the monitor's pool while it captures); a block's scores into a reused work buffer."""
+    one of the monitor's pool while it captures); a block's scores into a reused work buffer.
+    Within a capture's :func:`~podmonitor.capture.reduce.reducing` block (and without dropout),
+    each block goes to the capture's reduction instead, and no probabilities are returned (None).
+    """
     T = q.size(-2)
     lead = q.shape[:-2]  # (B, nh)
-    probs = hugepages.empty((*lead, T, T), q.dtype, q.device)
+    reduction = current_reduction() if v is not None and len(lead) == 2 else None
+    probs = None if reduction is not None else hugepages.empty((*lead, T, T), q.dtype, q.device)
+    layer = None  # the reduction's layer, once a block is formed (out= may be refused before)
     work = hugepages.scratch((lead.numel() * min(T, MASK_ROWS) * T,), q.dtype, q.device)
     upper = _above_diagonal(min(T, MASK_ROWS), q.device)
     outputs = []
@@ -272,8 +282,13 @@ def _causal_attention_blocked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor 
             seen.add_(log_g[..., :r1] if log_g.size(-2) == 1 else log_g[..., r0:r1, :r1])
         seen[..., r0:r1].masked_fill_(upper[: r1 - r0, : r1 - r0], float("-inf"))
         torch.softmax(seen, dim=-1, out=seen)
-        probs[..., r0:r1, :r1].copy_(seen)
-        probs[..., r0:r1, r1:].zero_()
+        if reduction is not None:
+            if layer is None:
+                layer = reduction.layer(lead[0], lead[1], T, True, q.device)
+            layer.add(slice(None), r0, seen)  # head average and stability sums, while in cache
+        else:
+            probs[..., r0:r1, :r1].copy_(seen)
+            probs[..., r0:r1, r1:].zero_()
         if v is not None:
             outputs.append(seen @ v[..., :r1, :])  # (B, nh, rows, hs), as _causal_product's block
     return probs, (torch.cat(outputs, dim=-2) if v is not None else None)
