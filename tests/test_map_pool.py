@@ -39,13 +39,18 @@ def _fit(monitor: PODMonitor, root) -> GPTLightningModule:
     return model
 
 
-def _numbers(monitor: PODMonitor) -> dict[str, list[float]]:
-    return {name: [*rep.dominant_scales, *rep.per_scale[0].eigenvalues.tolist(), rep.t_spec, rep.entropy]
-            for name, rep in monitor.last_reports.items()}
+class ReadsMaps(MonitorExtra):
+    """An extra that reads the per-head maps (and keeps nothing): the monitor then captures maps
+    instead of reducing each layer as it is formed (its default, which forms no maps)."""
+
+    name = "reads_maps"
+
+    def on_attention(self, layer: str, fields: torch.Tensor) -> None:
+        assert fields.dim() == 4
 
 
-def test_the_pool_reuses_the_maps_memory_and_changes_no_number(monkeypatch, tmp_path):
-    assert hugepages.MIN_BYTES <= 2 * 4 * T * T * 4
+def _counting_take(monkeypatch) -> tuple[list[int], list[int]]:
+    """Record the sizes of the pool's buffers taken fresh and reused."""
     reused, new = [], []
     take = hugepages.BufferPool.take
 
@@ -55,16 +60,29 @@ def test_the_pool_reuses_the_maps_memory_and_changes_no_number(monkeypatch, tmp_
         return buf, fresh
 
     monkeypatch.setattr(hugepages.BufferPool, "take", counting_take)
-    pooled = PODMonitor(n_snapshots=8, log_images=False)
-    _fit(pooled, tmp_path / "pooled")
+    return new, reused
+
+
+def _numbers(monitor: PODMonitor) -> dict[str, list[float]]:
+    return {name: [*rep.dominant_scales, *rep.per_scale[0].eigenvalues.tolist(), rep.t_spec, rep.entropy]
+            for name, rep in monitor.last_reports.items()}
+
+
+def test_the_pool_reuses_the_maps_memory_and_changes_no_number(monkeypatch, tmp_path):
+    assert hugepages.MIN_BYTES <= 2 * 4 * T * T * 4
+    take = hugepages.BufferPool.take
+    with monkeypatch.context() as patch:
+        new, reused = _counting_take(patch)
+        pooled = PODMonitor(n_snapshots=8, log_images=False, extras=[ReadsMaps()])
+        _fit(pooled, tmp_path / "pooled")
     # 2 layers' maps: new in the first of 4 batches, then reused (6); at the run's end each layer's
     # queued fields are added as one batch, concatenated into a pool buffer of the same size: new
     # for the first layer (the pool is emptied after the last batch), reused for the second
     assert len(new) == 3 and len(reused) == 7
-    monkeypatch.setattr(hugepages.BufferPool, "take", take)
+    assert hugepages.BufferPool.take is take
 
     assert hugepages.current_pool() is None  # the monitor left no pool in use in this thread
-    plain = PODMonitor(n_snapshots=8, log_images=False)
+    plain = PODMonitor(n_snapshots=8, log_images=False, extras=[ReadsMaps()])
     with monkeypatch.context() as patch:
         patch.setattr(hugepages, "push_pool", lambda pool: None)  # capture and accumulation without a pool
         _fit(plain, tmp_path / "plain")
@@ -128,27 +146,26 @@ def _nano_fit(monitor: PODMonitor, root, push=None):
     return model
 
 
-def test_the_sdpa_capture_of_a_nanogpt_reuses_the_maps_memory_with_the_default_monitor(monkeypatch, tmp_path):
-    """The recomputed SDPA maps of a model written as nanoGPT is, under the default PODMonitor():
-    new buffers in the first batch only, and the numbers of a run without the pool."""
-    reused, new = [], []
-    take = hugepages.BufferPool.take
-
-    def counting_take(self, nbytes):
-        buf, fresh = take(self, nbytes)
-        (new if fresh else reused).append(nbytes)
-        return buf, fresh
-
+def test_the_sdpa_capture_of_a_nanogpt_reuses_the_maps_memory(monkeypatch, tmp_path):
+    """The recomputed SDPA maps of a model written as nanoGPT is, when an extra reads them: new
+    buffers in the first batch only, and the numbers of a run without the pool. The default
+    PODMonitor() forms no maps at all: its pool serves only the queued head averages."""
     with monkeypatch.context() as patch:
-        patch.setattr(hugepages.BufferPool, "take", counting_take)
-        pooled = PODMonitor()
+        new, reused = _counting_take(patch)
+        pooled = PODMonitor(extras=[ReadsMaps()])
         _nano_fit(pooled, tmp_path / "pooled")
     # 2 layers x 4 batches of maps (2 new, 6 reused); the quota of 150 is not reached, so the pool
     # is kept to the run's end, where each layer's queued fields are concatenated into one of the
     # maps' buffers, idle by then (2 reused)
     assert len(new) == 2 and len(reused) == 8
     assert hugepages.current_pool() is None
-    plain = PODMonitor()
+    with monkeypatch.context() as patch:
+        new, reused = _counting_take(patch)
+        _nano_fit(PODMonitor(), tmp_path / "default")
+    # no maps: each layer's (2, 512, 512) head averages (2 MiB) are below the pool's size; at the
+    # run's end each layer's 4 queued batches are concatenated (8 MiB): new, then reused
+    assert len(new) == 1 and len(reused) == 1
+    plain = PODMonitor(extras=[ReadsMaps()])
     with monkeypatch.context() as patch:
         patch.setattr(hugepages, "push_pool", lambda pool: None)
         _nano_fit(plain, tmp_path / "plain")
@@ -158,8 +175,9 @@ def test_the_sdpa_capture_of_a_nanogpt_reuses_the_maps_memory_with_the_default_m
 
 
 def ddp_scenario(tmp: str) -> dict:
-    """Two processes (ddp_spawn) with the default PODMonitor() on the nanoGPT above, maps large
-    enough for the pool; then one process validating the final weights (no pool) for reference."""
+    """Two processes (ddp_spawn) with a PODMonitor whose extra reads the maps, on the nanoGPT
+    above, maps large enough for the pool; then one process validating the final weights with the
+    default PODMonitor() (no pool, each layer reduced as it is formed) for reference."""
     import os
     import warnings
 
@@ -170,10 +188,10 @@ def ddp_scenario(tmp: str) -> dict:
     model = NanoGPTModule(GPTConfig(**NANO), n_train=4, n_val=16, batch_size=2)
     common = dict(max_epochs=1, accelerator="cpu", logger=False, enable_progress_bar=False,
                   enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0)
-    monitor = PODMonitor()
+    monitor = PODMonitor(extras=[ReadsMaps()])  # maps, from the pool
     L.Trainer(devices=2, strategy="ddp_spawn", default_root_dir=os.path.join(tmp, "ddp"), callbacks=[monitor],
               **common).fit(model)
-    hugepages.push_pool = lambda pool: None  # the reference: no pool
+    hugepages.push_pool = lambda pool: None  # the reference: no pool, and the default reduced capture
     single = PODMonitor()
     L.Trainer(devices=1, default_root_dir=os.path.join(tmp, "single"), callbacks=[single], **common).validate(
         model, model.val_dataloader())
