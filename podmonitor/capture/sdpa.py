@@ -661,26 +661,12 @@ class SDPAAdapter(CaptureAdapter):
             if r.padded is not None:
                 v = ~r.padded
                 valid = v if valid is None else valid & v
+        common = dict(layer_names=[r.name for r in kept], valid=valid, causal=all(r.causal for r in kept),
+                      logit_max=[r.logit_max for r in kept], flagged=flags, counters=counters)
         if self.reduction is not None:  # every record was reduced (see _record)
-            return ReducedAttention(
-                layers=[r.reduced.result() for r in kept],  # type: ignore[union-attr]
-                layer_names=[r.name for r in kept],
-                valid=valid,
-                causal=all(r.causal for r in kept),
-                logit_max=[r.logit_max for r in kept],
-                flagged=flags,
-                counters=counters,
-            )
-        return CapturedAttention(
-            fields=[r.probs for r in kept],
-            layer_names=[r.name for r in kept],
-            valid=valid,
-            causal=all(r.causal for r in kept),
-            logit_max=[r.logit_max for r in kept],
-            flagged=flags,
-            counters=counters,
-            zeros_above_diagonal=all(r.zeros_above_diagonal for r in kept),
-        )
+            return ReducedAttention(layers=[r.reduced.result() for r in kept], **common)  # type: ignore[union-attr]
+        return CapturedAttention(fields=[r.probs for r in kept],
+                                 zeros_above_diagonal=all(r.zeros_above_diagonal for r in kept), **common)
 
     def _nothing(self, counters: dict[str, int], flags: dict[str, str], started: bool) -> str:
         name = self._module_name or "the module"

@@ -312,12 +312,7 @@ class StabilityAccumulator:
         if fields.dim() != 4 or fields.shape[-1] != fields.shape[-2]:
             raise ValueError(f"fields must be (B, H, T, T), got shape {tuple(fields.shape)}")
         b, h, t, _ = fields.shape
-        if self.n_heads is None:
-            self._init(h)
-        elif h != self.n_heads:
-            raise ValueError(f"fields have {h} heads, earlier batches had {self.n_heads}")
-        if logit_max is not None and tuple(logit_max.shape) != (b, h):
-            raise ValueError(f"logit_max must be (B, H) = {(b, h)}, got shape {tuple(logit_max.shape)}")
+        self._check(b, h, logit_max)
         inferred = causal is None
         if inferred:  # causal when nothing lies above the diagonal (NaN there: not causal)
             causal = max_above_diagonal(fields.reshape(b * h, t, t)) == 0 if t > 1 else True
@@ -337,6 +332,15 @@ class StabilityAccumulator:
                 rows.add(slice(s, s + 1), slice(None), r0, a[None, :, r0:r1, :k], rest)
         self.add_sums(rows.sums(), logit_max)
 
+    def _check(self, b: int, h: int, logit_max: Tensor | None) -> None:
+        """Take the head count from the first batch; refuse another one, or ``logit_max`` not (B, H)."""
+        if self.n_heads is None:
+            self._init(h)
+        elif h != self.n_heads:
+            raise ValueError(f"fields have {h} heads, earlier batches had {self.n_heads}")
+        if logit_max is not None and tuple(logit_max.shape) != (b, h):
+            raise ValueError(f"logit_max must be (B, H) = {(b, h)}, got shape {tuple(logit_max.shape)}")
+
     def add_sums(self, sums: StabilitySums, logit_max: Tensor | None = None) -> None:
         """Add one layer's per-sequence sums (from :class:`StabilityRows`: a capture that reduces
         its row blocks as it forms them, or :meth:`update`); sequences with a non-finite entry are
@@ -350,12 +354,7 @@ class StabilityAccumulator:
             ValueError: the head count differs from earlier batches, or ``logit_max`` is not (B, H).
         """
         b, h = sums.entropy.shape
-        if self.n_heads is None:
-            self._init(h)
-        elif h != self.n_heads:
-            raise ValueError(f"fields have {h} heads, earlier batches had {self.n_heads}")
-        if logit_max is not None and tuple(logit_max.shape) != (b, h):
-            raise ValueError(f"logit_max must be (B, H) = {(b, h)}, got shape {tuple(logit_max.shape)}")
+        self._check(b, h, logit_max)
         t, causal = sums.seq_len, sums.causal
         n_rows = max(0, t - 1) if causal else (t if t > 1 else 0)
         assert self._entropy_sum is not None and self._sink_sum is not None and self._row_max_sum is not None
