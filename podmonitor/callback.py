@@ -406,7 +406,11 @@ class PODMonitor(MonitorCallback):
             self._capturing = True
             hugepages.push_pool(self._map_pool)  # until _stop_capture
             # without per-head consumers, captures that can reduce each layer as they form it
-            self._adapter.reduction = Reduction(_heads_for(pl_module)) if self._reduces() else None
+            heads_for = _heads_for(pl_module)
+            # (head masks are matched by layer position, which the sdpa adapter's flagged calls can
+            # shift: with masked heads only the protocol adapter reduces)
+            reduces = self._reduces() and (heads_for is None or self._adapter.name == "protocol")
+            self._adapter.reduction = Reduction(heads_for) if reduces else None
             self._adapter.start(pl_module)
         except Exception as err:  # noqa: BLE001
             self._handle("attaching the attention capture", err)

@@ -49,7 +49,12 @@ class ProtocolAdapter(CaptureAdapter):
         return callable(getattr(module, "attention_maps", None))
 
     def collect(self, module: torch.nn.Module, batch: Any, outputs: Any) -> CapturedAttention | ReducedAttention:
-        reduction = self.reduction
+        # only the library's own attention_maps (the reference models) reduces: a user's method may
+        # select, split or restack what the forward returns, which a reduction cannot follow
+        from podmonitor.models.lightning import GPTLightningModule
+
+        own = getattr(type(module), "attention_maps", None) is GPTLightningModule.attention_maps
+        reduction = self.reduction if own else None
         if reduction is not None:
             reduction.clear()
         with torch.no_grad(), (reducing(reduction) if reduction is not None else contextlib.nullcontext()):

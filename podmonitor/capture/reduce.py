@@ -81,6 +81,8 @@ class LayerReduction:
         if k < t:
             self.average[seqs, r0:r0 + rows, k:].zero_()
         self.rows_done += b * rows
+        if self.rows_done == self.shape[0] * self.shape[2]:
+            self.rows.work = None  # the scratch goes once every row is in (not held until collect)
 
     def add_maps(self, maps: Tensor, zeros_above_diagonal: bool = False, rows_per_block: int = 128) -> None:
         """Add whole (B, H, T, T) maps (a capture that formed them at once), in row blocks.

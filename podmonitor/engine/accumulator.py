@@ -421,7 +421,7 @@ class PODAccumulator:
                 for r0, r1 in blocks:
                     convert[:stop - start, r0:r1, :r1].copy_(part[:, r0:r1, :r1])
                 part = convert[:stop - start]
-            ctx = BatchStep(part, causal, work, tol, row_sums[start:stop].to(dev))
+            ctx = BatchStep(part, causal, work, tol, row_sums[start:stop].to(dev), blocks)
             for r in STEPPED:
                 batch[r.name] = r.combine(batch[r.name], r.step(ctx))
             if filled + (stop - start) > rows_per_feed:

@@ -45,6 +45,9 @@ class BatchStep:
         tol: tolerance of ``|row sum - 1|`` for the input dtype (see :func:`normalisation_tol`).
         row_sums: (b, L) the row sums of the fields (computed once per batch, with its finiteness
             check).
+        blocks: row blocks ``(r0, r1)`` whose rectangles ``[r0:r1, :r1]`` hold every entry that
+            may be non-zero (:func:`~podmonitor.engine.lags.lower_row_blocks`; causal fields are
+            checked to be exactly zero above the diagonal); None: the whole field.
     """
 
     part: Tensor
@@ -52,11 +55,15 @@ class BatchStep:
     work: Tensor
     tol: float
     row_sums: Tensor
+    blocks: list[tuple[int, int]] | None = None
 
     @cached_property
     def has_negative(self) -> bool:
-        """Whether any entry of the step is negative (one reduction)."""
-        return bool(self.part.amin() < 0)
+        """Whether any entry of the step is negative (one reduction per row block)."""
+        if self.blocks is None:
+            return bool(self.part.amin() < 0)
+        lows = torch.stack([self.part[:, r0:r1, :r1].amin() for r0, r1 in self.blocks])
+        return bool(lows.amin() < 0)
 
     @cached_property
     def row_error(self) -> Tensor:
