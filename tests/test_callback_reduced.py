@@ -49,12 +49,12 @@ def test_default_capture_is_reduced_and_reports_what_the_maps_give(tmp_path, mon
     kinds: list[type] = []
     collect = ProtocolAdapter.collect
     monkeypatch.setattr(ProtocolAdapter, "collect", lambda self, *a: kinds.append(type(r := collect(self, *a))) or r)
-    reduced = PODMonitor(n_snapshots=18, output_dir=str(tmp_path / "reduced"))  # default arguments otherwise
+    reduced = PODMonitor(n_snapshots=18)  # default arguments otherwise
     _validate(tmp_path / "a", reduced, head_mask)
     assert kinds and set(kinds) == {ReducedAttention}
     kinds.clear()
     extra = WantsMaps()
-    maps = PODMonitor(n_snapshots=18, output_dir=str(tmp_path / "maps"), extras=[extra])
+    maps = PODMonitor(n_snapshots=18, extras=[extra])
     _validate(tmp_path / "b", maps, head_mask)
     assert kinds and ReducedAttention not in kinds and extra.shapes[0] == (4, 3, 150, 150)
     assert sorted(reduced.last_reports) == sorted(maps.last_reports) == ["layer_00", "layer_01"]
@@ -68,3 +68,28 @@ def test_default_capture_is_reduced_and_reports_what_the_maps_give(tmp_path, mon
         assert stab["n_snapshots"] == stab_ref["n_snapshots"] == 18
         for key in ("entropy", "sink_mass", "mean_row_max", "max_prob"):
             assert stab[key] == pytest.approx(stab_ref[key], rel=1e-6), key
+
+
+class FirstLayerOnly(GPTLightningModule):
+    """A user's own ``attention_maps`` that keeps one layer of the reference GPT's maps: the
+    capture cannot follow such a selection, so it must hand over exactly what the method returns."""
+
+    def attention_maps(self, batch):
+        return super().attention_maps(batch)[:1]
+
+
+def test_a_users_own_attention_maps_gets_exactly_what_it_returns(tmp_path):
+    torch.manual_seed(0)
+    model = FirstLayerOnly(vocab_size=11, block_size=150, n_layer=2, n_head=3, n_embd=12, dropout=0.0)
+    x = torch.randint(0, 11, (8, 150), generator=torch.Generator().manual_seed(1))
+    monitor = PODMonitor(n_snapshots=8)
+    L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+              enable_checkpointing=False, default_root_dir=str(tmp_path), callbacks=[monitor]).validate(
+        model, DataLoader(TensorDataset(x, x), batch_size=4), verbose=False)
+    assert sorted(monitor.last_reports) == ["layer_00"]
+    # the literal head average of that layer, formed by hand from the model's maps
+    from podmonitor import analyze
+
+    fields = torch.cat([GPTLightningModule.attention_maps(model, (x[i:i + 4],))[0] for i in (0, 4)]).mean(dim=1)
+    ref = analyze(fields.double(), monitor.config)
+    assert monitor.last_reports["layer_00"].t_spec == pytest.approx(ref.t_spec, rel=1e-6)

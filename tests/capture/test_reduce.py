@@ -71,7 +71,7 @@ def test_a_sequence_with_nan_is_skipped_and_missing_rows_are_refused():
     _close(report, literal(maps[[0, 2]].numpy(), None, True))
     short = LayerReduction(3, 2, 30, True, maps.device)
     short.add(slice(None), 0, maps[:, :, :10, :10])
-    with pytest.raises(RuntimeError, match="10 .*of 90 rows|30 of 90 rows"):
+    with pytest.raises(RuntimeError, match="30 of 90 rows"):
         short.result()
 
 
