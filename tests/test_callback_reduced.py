@@ -93,3 +93,97 @@ def test_a_users_own_attention_maps_gets_exactly_what_it_returns(tmp_path):
     fields = torch.cat([GPTLightningModule.attention_maps(model, (x[i:i + 4],))[0] for i in (0, 4)]).mean(dim=1)
     ref = analyze(fields.double(), monitor.config)
     assert monitor.last_reports["layer_00"].t_spec == pytest.approx(ref.t_spec, rel=1e-6)
+
+
+class SelfAttention(torch.nn.Module):
+    """Multi-head self-attention through SDPA, written the way nanoGPT or T5 ports write it."""
+
+    def __init__(self, width: int, n_head: int, causal: bool) -> None:
+        super().__init__()
+        self.n_head, self.causal = n_head, causal
+        self.qkv = torch.nn.Linear(width, 3 * width)
+
+    def split(self, h: torch.Tensor) -> list[torch.Tensor]:
+        b, t, c = h.shape
+        return [z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in self.qkv(h).split(c, dim=2)]
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.split(h)
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+        return h + y.transpose(1, 2).reshape(h.shape)
+
+    def probabilities_by_hand(self, h: torch.Tensor) -> torch.Tensor:
+        """(B, H, T, T): the softmax of the masked scores, formed literally."""
+        q, k, _ = self.split(h)
+        scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+        if self.causal:
+            t = h.shape[1]
+            scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+        return scores.softmax(dim=-1)
+
+
+class EncoderDecoderLM(L.LightningModule):
+    """A T5-style model: an encoder block (bidirectional SDPA self-attention) and a decoder block
+    (causal SDPA self-attention) over the same tokens, so one validation step makes one call of
+    each kind."""
+
+    def __init__(self, vocab: int = 11, width: int = 12, n_head: int = 3) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, width)
+        self.encoder = SelfAttention(width, n_head, causal=False)
+        self.decoder = SelfAttention(width, n_head, causal=True)
+        self.head = torch.nn.Linear(width, vocab)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.decoder(self.encoder(self.emb(x))))
+
+    def probabilities_by_hand(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Both layers' (B, H, T, T) probabilities."""
+        h = self.emb(x)
+        return [self.encoder.probabilities_by_hand(h), self.decoder.probabilities_by_hand(self.encoder(h))]
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.cross_entropy(self(x).flatten(0, 1), y.flatten())
+        self.log("val_loss", loss)
+        return loss
+
+
+def _entropy_by_hand(a: torch.Tensor, causal: bool) -> float:
+    """Mean normalised row entropy of (B, H, T, T) probabilities: -sum_j p log p / log(n_i),
+    n_i = i + 1 visible keys (causal, rows with n_i >= 2) or T."""
+    a = a.double()
+    t = a.shape[-1]
+    plogp = torch.where(a > 0, a * a.clamp_min(1e-300).log(), torch.zeros_like(a))
+    n = torch.arange(1, t + 1, dtype=torch.float64) if causal else torch.full((t,), float(t), dtype=torch.float64)
+    ent = -plogp.sum(-1) / n.log()  # (B, H, T)
+    return float((ent[..., 1:] if causal else ent).mean())
+
+
+def test_a_model_mixing_causal_and_bidirectional_sdpa_calls_gets_each_layer_analysed_as_it_is(tmp_path):
+    torch.manual_seed(0)
+    model = EncoderDecoderLM()
+    x = torch.randint(0, 11, (20, 150), generator=torch.Generator().manual_seed(1))
+    monitors = {"reduced": PODMonitor(n_snapshots=18), "maps": PODMonitor(n_snapshots=18, extras=[WantsMaps()])}
+    for side, monitor in monitors.items():
+        L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                  enable_checkpointing=False, default_root_dir=str(tmp_path / side), callbacks=[monitor]).validate(
+            model, DataLoader(TensorDataset(x, x), batch_size=4), verbose=False)
+    from podmonitor import analyze
+
+    with torch.no_grad():
+        by_hand = [torch.cat(z) for z in zip(*[model.probabilities_by_hand(x[i:i + 4]) for i in range(0, 20, 4)],
+                                             strict=True)]
+    for (name, causal), probs in zip((("encoder", False), ("decoder", True)), by_hand, strict=True):
+        ref = analyze(probs[:18].mean(dim=1).double())  # the quota's 18 sequences, analysed alone
+        assert ref.causal is causal
+        for side, monitor in monitors.items():
+            assert sorted(monitor.last_reports) == ["decoder", "encoder"], sorted(monitor.last_reports)
+            got = monitor.last_reports[name]
+            assert got.causal is causal, (side, name)
+            assert got.dominant_scales == ref.dominant_scales, (side, name)
+            assert got.t_spec == pytest.approx(ref.t_spec, rel=1e-5), (side, name)
+            for g, r in zip(got.per_scale, ref.per_scale, strict=True):
+                torch.testing.assert_close(g.eigenvalues, r.eigenvalues, rtol=1e-4, atol=1e-10)
+            entropy = monitor.last_stability_reports[name].to_dict()["entropy_mean"]
+            assert entropy == pytest.approx(_entropy_by_hand(probs[:18], causal), rel=1e-5), (side, name)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -96,3 +97,11 @@ def layer_names(n: int) -> list[str]:
     """``["layer_00", "layer_01", ...]`` (wider numbers past 100 layers)."""
     width = max(2, len(str(max(n - 1, 0))))
     return [f"layer_{i:0{width}d}" for i in range(n)]
+
+
+def common_causal(flags: Iterable[bool]) -> bool | None:
+    """The capture's ``causal`` from its layers' own: True or False when every layer agrees, None
+    when they differ (an encoder-decoder model), so that each layer's accumulators and stability
+    signals infer it from that layer's own field; None for no layers."""
+    seen = {bool(f) for f in flags}
+    return seen.pop() if len(seen) == 1 else None

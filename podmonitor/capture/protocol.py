@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from podmonitor.capture._util import layer_names
+from podmonitor.capture._util import common_causal, layer_names
 from podmonitor.capture.base import CaptureAdapter, CapturedAttention
 from podmonitor.capture.reduce import ReducedAttention, reducing
 
@@ -67,7 +67,7 @@ class ProtocolAdapter(CaptureAdapter):
                                  f"and reduced {len(layers)} others")
             return ReducedAttention(layers=[layer.result() for layer in layers],
                                     layer_names=layer_names(len(layers)),
-                                    causal=all(layer.causal for layer in layers))
+                                    causal=common_causal(layer.causal for layer in layers))
         if isinstance(maps, CapturedAttention):
             return maps
         try:

@@ -134,7 +134,8 @@ class ReducedAttention:
         layers: one :class:`ReducedLayer` per reported layer, all of the same B and T.
         layer_names: one unique name per layer.
         valid: (B,) bool, sequences without padding; None: all.
-        causal: every layer is causal.
+        causal: True (every layer is causal), False (none is) or None (they differ: each layer's
+            analysis reads it from its own average, whose upper triangle a causal layer leaves 0).
         logit_max: one (B, H) float32 tensor (or None) per layer, or None.
         flagged: layers excluded this batch, with the reason.
         counters: the capture's event counts.

@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from podmonitor import hugepages
+from podmonitor.capture._util import common_causal
 from podmonitor.capture.base import NOTHING_FITS, CaptureAdapter, CapturedAttention
 from podmonitor.capture.hooks import HookHandles
 from podmonitor.capture.reduce import LayerReduction, ReducedAttention, Reduction
@@ -479,8 +480,9 @@ class SDPAAdapter(CaptureAdapter):
 
     ``valid``: False for a sequence whose mask, in any captured call, blocks some key for every
     query and head (a padded key). ``causal``: True when every reported call was causal
-    (``is_causal`` or a mask blocking every j > i), else False. ``logit_max``: the (B, H) max
-    of q.k * scale over visible keys. A layer's (B, H, T, T) map is kept only until
+    (``is_causal`` or a mask blocking every j > i), False when none was, None when they differ
+    (an encoder-decoder model: each layer's analysis then reads it from the layer's own map).
+    ``logit_max``: the (B, H) max of q.k * scale over visible keys. A layer's (B, H, T, T) map is kept only until
     :meth:`collect` hands it over; the recomputation goes ``chunk_bytes`` of queries at a time.
     With :attr:`reduction` set (by the monitor, when it needs no per-head maps), no map is
     kept: each call's A goes to a :class:`~podmonitor.capture.reduce.LayerReduction` (an
@@ -661,7 +663,7 @@ class SDPAAdapter(CaptureAdapter):
             if r.padded is not None:
                 v = ~r.padded
                 valid = v if valid is None else valid & v
-        common = dict(layer_names=[r.name for r in kept], valid=valid, causal=all(r.causal for r in kept),
+        common = dict(layer_names=[r.name for r in kept], valid=valid, causal=common_causal(r.causal for r in kept),
                       logit_max=[r.logit_max for r in kept], flagged=flags, counters=counters)
         if self.reduction is not None:  # every record was reduced (see _record)
             return ReducedAttention(layers=[r.reduced.result() for r in kept], **common)  # type: ignore[union-attr]

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from podmonitor.capture._util import blocked, get_arg, is_causal_mask, set_arg
+from podmonitor.capture._util import blocked, common_causal, get_arg, is_causal_mask, set_arg
 from podmonitor.capture.base import CaptureAdapter, CapturedAttention
 from podmonitor.capture.hooks import HookHandles, MHAFastPathOff
 
@@ -170,13 +170,11 @@ class TorchMHAAdapter(CaptureAdapter):
         for r in records:
             if r.valid is not None:
                 valid = r.valid if valid is None else valid & r.valid
-        flags = {r.causal for r in records}
-        causal = flags.pop() if len(flags) == 1 else None
         return CapturedAttention(
             fields=[r.weights for r in records],
             layer_names=[r.name for r in records],
             valid=valid,
-            causal=causal,
+            causal=common_causal(r.causal for r in records),
         )
 
 
