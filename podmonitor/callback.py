@@ -201,7 +201,9 @@ class PODMonitor(MonitorCallback):
         self.validation_count = 0
         self.monitored_count = 0
         self.last_reports: dict[str, PODReport] = {}
-        self.timings: dict[str, float] = {}
+        self.timings: dict[str, float] = {}  # the last monitored run's cost inside the validation loop
+        # the outputs' cost on the background worker, summed over the fits (pictures, sinks)
+        self.background_timings: dict[str, float] = {"wall_s": 0.0, "cpu_s": 0.0}
         self._adapter: CaptureAdapter | None = None
         self._adapter_error: str | None = None
         self._publisher: Any = None
@@ -898,6 +900,8 @@ class PODMonitor(MonitorCallback):
         self._stop_capture()
         if self._publisher is not None:
             self._publisher.close()  # waits for the outputs still queued in the background
+            for key, seconds in self._publisher.background_seconds().items():
+                self.background_timings[key] += seconds
             self._publisher = None
         self._hand_over(trainer)
 

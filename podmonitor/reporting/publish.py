@@ -333,6 +333,13 @@ class Publisher:
             self.worker.close()
         self.outputs.close()
 
+    def background_seconds(self) -> dict[str, float]:
+        """What the outputs run in the background have cost so far: ``{"wall_s", "cpu_s"}`` (the
+        worker's busy time and its thread's CPU time; zeros when outputs run in the loop)."""
+        if self.worker is None:
+            return {"wall_s": 0.0, "cpu_s": 0.0}
+        return {"wall_s": self.worker.busy_s, "cpu_s": self.worker.cpu_s}
+
 
 def _records_in(path: str) -> dict[tuple[int, str], str]:
     """``{(step, stage): run_id}`` of the reports already in a JSON-lines file (empty when there is

@@ -5,13 +5,16 @@ The queue is bounded (``max_pending`` jobs): when the outputs fall that far behi
 waits, so memory stays bounded and nothing is dropped. :meth:`flush` waits until every job has
 run (the monitors call it at the end of fitting, at teardown and on exceptions). A job's own
 errors are its business (the publisher's jobs catch and warn per output); an exception that
-escapes a job is kept and warned once, and the worker goes on.
+escapes a job is kept and warned once, and the worker goes on. :attr:`BackgroundWorker.busy_s` and
+:attr:`BackgroundWorker.cpu_s` add up what the jobs cost: the part of the monitor's work that no
+timing inside the validation loop sees.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+import time
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -33,10 +36,14 @@ class BackgroundWorker:
         self._queue: queue.Queue[Callable[[], Any] | None] = queue.Queue(maxsize=max(1, int(max_pending)))
         self._thread: threading.Thread | None = None
         self.errors: list[str] = []
+        #: wall seconds spent running jobs, and the worker thread's CPU seconds in them
+        self.busy_s = 0.0
+        self.cpu_s = 0.0
 
     def _run(self) -> None:
         while True:
             job = self._queue.get()
+            wall, cpu = time.perf_counter(), time.thread_time()
             try:
                 if job is None:
                     return
@@ -46,6 +53,8 @@ class BackgroundWorker:
                 self.errors.append(msg)
                 warnings.warn(msg, self.warning, stacklevel=2)
             finally:
+                self.busy_s += time.perf_counter() - wall
+                self.cpu_s += time.thread_time() - cpu
                 self._queue.task_done()
 
     def submit(self, job: Callable[[], Any]) -> None:
