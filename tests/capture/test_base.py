@@ -248,3 +248,10 @@ def test_function_adapter_errors() -> None:
 def test_capture_adapter_is_abstract() -> None:
     with pytest.raises(TypeError):
         CaptureAdapter()  # type: ignore[abstract]
+
+
+def test_common_causal_is_the_layers_flag_when_they_agree_and_none_when_they_differ():
+    from podmonitor.capture._util import common_causal
+
+    assert common_causal([True, True]) is True and common_causal([False]) is False
+    assert common_causal([True, False, True]) is None and common_causal([]) is None
