@@ -52,6 +52,8 @@ def test_default_capture_is_reduced_and_reports_what_the_maps_give(tmp_path, mon
     reduced = PODMonitor(n_snapshots=18)  # default arguments otherwise
     _validate(tmp_path / "a", reduced, head_mask)
     assert kinds and set(kinds) == {ReducedAttention}
+    # default outputs (pictures, record) went to the background worker, and their cost is reported
+    assert reduced.background_timings["cpu_s"] > 0 and reduced.background_timings["wall_s"] > 0
     kinds.clear()
     extra = WantsMaps()
     maps = PODMonitor(n_snapshots=18, extras=[extra])
@@ -95,52 +97,46 @@ def test_a_users_own_attention_maps_gets_exactly_what_it_returns(tmp_path):
     assert monitor.last_reports["layer_00"].t_spec == pytest.approx(ref.t_spec, rel=1e-6)
 
 
-class SelfAttention(torch.nn.Module):
-    """Multi-head self-attention through SDPA, written the way nanoGPT or T5 ports write it."""
-
-    def __init__(self, width: int, n_head: int, causal: bool) -> None:
-        super().__init__()
-        self.n_head, self.causal = n_head, causal
-        self.qkv = torch.nn.Linear(width, 3 * width)
-
-    def split(self, h: torch.Tensor) -> list[torch.Tensor]:
-        b, t, c = h.shape
-        return [z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in self.qkv(h).split(c, dim=2)]
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.split(h)
-        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
-        return h + y.transpose(1, 2).reshape(h.shape)
-
-    def probabilities_by_hand(self, h: torch.Tensor) -> torch.Tensor:
-        """(B, H, T, T): the softmax of the masked scores, formed literally."""
-        q, k, _ = self.split(h)
-        scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
-        if self.causal:
-            t = h.shape[1]
-            scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
-        return scores.softmax(dim=-1)
+def _scores_by_hand(qkv_weight: torch.Tensor, qkv_bias: torch.Tensor | None, h: torch.Tensor, n_head: int,
+                    causal: bool) -> torch.Tensor:
+    """(B, H, T, T) softmax of the (masked) scores of a fused q/k/v projection, formed literally:
+    q and k are the first two thirds of ``h W^T + b``, head by head."""
+    b, t, c = h.shape
+    qkv = h @ qkv_weight.T + (0 if qkv_bias is None else qkv_bias)
+    q, k = (z.reshape(b, t, n_head, c // n_head).transpose(1, 2) for z in qkv.split(c, dim=-1)[:2])
+    scores = q @ k.transpose(-1, -2) / (c // n_head) ** 0.5
+    if causal:
+        scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+    return scores.softmax(dim=-1)
 
 
 class EncoderDecoderLM(L.LightningModule):
-    """A T5-style model: an encoder block (bidirectional SDPA self-attention) and a decoder block
-    (causal SDPA self-attention) over the same tokens, so one validation step makes one call of
-    each kind."""
+    """A T5-style model: an encoder block with timm's (bidirectional) SDPA attention and a decoder
+    block with nanoGPT's (``is_causal=True``) SDPA attention over the same tokens, so one validation
+    step makes one call of each kind."""
 
     def __init__(self, vocab: int = 11, width: int = 12, n_head: int = 3) -> None:
         super().__init__()
+        from tests.capture.sdpa_models import Attention, CausalSelfAttention, GPTConfig
+
+        self.n_head = n_head
         self.emb = torch.nn.Embedding(vocab, width)
-        self.encoder = SelfAttention(width, n_head, causal=False)
-        self.decoder = SelfAttention(width, n_head, causal=True)
+        self.encoder = Attention(width, num_heads=n_head, qkv_bias=True)
+        self.decoder = CausalSelfAttention(GPTConfig(n_embd=width, n_head=n_head))
         self.head = torch.nn.Linear(width, vocab)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.decoder(self.encoder(self.emb(x))))
+        h = self.emb(x)
+        h = h + self.encoder(h)
+        return self.head(h + self.decoder(h))
 
     def probabilities_by_hand(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """Both layers' (B, H, T, T) probabilities."""
+        """Both layers' (B, H, T, T) probabilities, without SDPA."""
         h = self.emb(x)
-        return [self.encoder.probabilities_by_hand(h), self.decoder.probabilities_by_hand(self.encoder(h))]
+        enc = _scores_by_hand(self.encoder.qkv.weight, self.encoder.qkv.bias, h, self.n_head, causal=False)
+        h = h + self.encoder(h)
+        dec = _scores_by_hand(self.decoder.c_attn.weight, self.decoder.c_attn.bias, h, self.n_head, causal=True)
+        return [enc, dec]
 
     def validation_step(self, batch, batch_idx):
         x, y = batch

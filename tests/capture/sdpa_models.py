@@ -172,6 +172,16 @@ class NanoGPTModule(L.LightningModule):
                           batch_size=self.batch_size)
 
 
+class EncoderDecoderGPTModule(NanoGPTModule):
+    """nanoGPT whose first block attends both ways, T5-encoder style (timm's bidirectional SDPA
+    attention, :class:`Attention`), and whose later blocks stay causal (``is_causal=True``): one
+    validation step makes calls of both kinds over the same tokens."""
+
+    def __init__(self, config: GPTConfig | None = None, **kwargs) -> None:
+        super().__init__(config, **kwargs)
+        self.model.transformer.h[0].attn = Attention(self.config.n_embd, num_heads=self.config.n_head, qkv_bias=True)
+
+
 # ----------------------------------------------------------------------------- timm ViT block
 class Attention(nn.Module):
     """timm.models.vision_transformer.Attention (fused path)."""
