@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import time
 
@@ -52,3 +54,26 @@ def test_busy_and_cpu_seconds_add_up_what_the_jobs_cost():
     worker.submit(lambda: spin(0.05))
     worker.close()
     assert worker.cpu_s - sleeping_cpu >= 0.05
+
+
+def _nice_from_proc(tid: int) -> int:
+    """A thread's niceness as the kernel reports it (/proc/<pid>/task/<tid>/stat, field 19)."""
+    stat = open(f"/proc/{os.getpid()}/task/{tid}/stat").read()
+    return int(stat[stat.rindex(")") + 2:].split()[16])  # fields after "(comm)" start at field 3
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread niceness is Linux's")
+def test_the_worker_thread_runs_at_the_lowest_priority_and_leaves_the_process_alone():
+    main_before = _nice_from_proc(threading.get_native_id())
+    worker = BackgroundWorker()  # defaults, as the publisher builds it
+    seen: list[int] = []
+    worker.submit(lambda: seen.append(_nice_from_proc(threading.get_native_id())))
+    worker.close()
+    assert seen == [19] and worker.thread_niceness == 19
+    assert _nice_from_proc(threading.get_native_id()) == main_before  # the training's threads keep theirs
+    kept = BackgroundWorker(niceness=None)
+    kept.submit(lambda: seen.append(_nice_from_proc(threading.get_native_id())))
+    kept.close()
+    assert seen[-1] == main_before and kept.thread_niceness is None
+    with pytest.raises(ValueError, match="niceness"):
+        BackgroundWorker(niceness=40)
