@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime as _dt
 import math
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -19,6 +20,7 @@ from ..extras import ExtraResult
 from .delivery import Outputs
 from .figures import PICTURES, check_pictures, draw_run_pictures
 from .metrics import RUN_METRICS, LogPolicy, glossary_markdown, glossary_rows, registry
+from .render_process import PictureProcess, PictureProcessError, shared_picture_process
 from .scalars import layer_scalars, metric_tags, summary_markdown, summary_table
 from .sinks import read_json_lines, strict_jsonable
 from .worker import BackgroundWorker
@@ -67,11 +69,17 @@ class Publisher:
         pictures: the pictures a picture run draws, names from
             :data:`~podmonitor.reporting.figures.PICTURES` (default all); the extras' own pictures
             (e.g. the head allocation of ``per_head=True``) are drawn on every picture run.
+        picture_process: with the background worker, draw the pictures in a child process
+            (:mod:`podmonitor.reporting.render_process`: its own interpreter lock, the lowest
+            priority), by default the one shared by the monitors of this process; False draws
+            them on the worker thread. A child that fails is warned once and the pictures are
+            drawn in this process from then on.
     """
 
     def __init__(self, out_dir: str, prefix: str = "pod", *, run_id: str | None = None,
                  warning: type[Warning] = UserWarning, strict: bool = False, background: bool = True,
-                 pictures: Sequence[str] = PICTURES) -> None:
+                 pictures: Sequence[str] = PICTURES,
+                 picture_process: bool | PictureProcess = True) -> None:
         self.out_dir = out_dir
         self.pictures = check_pictures(pictures)
         self.prefix = prefix
@@ -79,6 +87,10 @@ class Publisher:
         # pictures and sinks run on a worker thread (the JSON-lines record is written at once);
         # in strict mode they run inline so that an error can be raised
         self.worker = BackgroundWorker(warning=warning) if background and not strict else None
+        self.warning = warning
+        self.painter: PictureProcess | None = None
+        if self.worker is not None and picture_process is not False:
+            self.painter = shared_picture_process() if picture_process is True else picture_process
         self._policy = LogPolicy()
         self._last_top: dict[str, float] = {}
         self._glossary_sent = False
@@ -259,8 +271,16 @@ class Publisher:
         """Every picture of a run (:func:`~podmonitor.reporting.figures.draw_run_pictures`); ``trend``
         (copies of the headline series, see :meth:`_trend`) adds the layers x steps heatmaps."""
         units = {m.key: m.unit for m in registry()}
+        args = (self.prefix, reports, present, trend, steps, units)
         try:
-            return draw_run_pictures(self.prefix, reports, present, trend, steps, units, which=self.pictures)
+            if self.painter is not None:
+                try:
+                    return self.painter.draw_run_pictures(*args, which=self.pictures)
+                except PictureProcessError as err:
+                    self.painter = None
+                    warnings.warn(f"PODMonitor: {err}; the pictures are drawn in the training process from now on",
+                                  self.warning, stacklevel=2)
+            return draw_run_pictures(*args, which=self.pictures)
         except Exception as err:  # noqa: BLE001 - a picture never costs the numbers
             self.outputs._failed("the pictures", "drawing", err, failures)
             return {}
