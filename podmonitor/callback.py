@@ -202,8 +202,9 @@ class PODMonitor(MonitorCallback):
         self.monitored_count = 0
         self.last_reports: dict[str, PODReport] = {}
         self.timings: dict[str, float] = {}  # the last monitored run's cost inside the validation loop
-        # the outputs' cost on the background worker, summed over the fits (pictures, sinks)
-        self.background_timings: dict[str, float] = {"wall_s": 0.0, "cpu_s": 0.0}
+        # the outputs' cost in the background, summed over the fits: the worker's busy and CPU
+        # seconds (sinks; pictures too when drawn on it) and the picture process's CPU seconds
+        self.background_timings: dict[str, float] = {"wall_s": 0.0, "cpu_s": 0.0, "picture_cpu_s": 0.0}
         self._adapter: CaptureAdapter | None = None
         self._adapter_error: str | None = None
         self._publisher: Any = None
@@ -901,7 +902,7 @@ class PODMonitor(MonitorCallback):
         if self._publisher is not None:
             self._publisher.close()  # waits for the outputs still queued in the background
             for key, seconds in self._publisher.background_seconds().items():
-                self.background_timings[key] += seconds
+                self.background_timings[key] = self.background_timings.get(key, 0.0) + seconds
             self._publisher = None
         self._hand_over(trainer)
 

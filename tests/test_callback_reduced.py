@@ -54,6 +54,7 @@ def test_default_capture_is_reduced_and_reports_what_the_maps_give(tmp_path, mon
     assert kinds and set(kinds) == {ReducedAttention}
     # default outputs (pictures, record) went to the background worker, and their cost is reported
     assert reduced.background_timings["cpu_s"] > 0 and reduced.background_timings["wall_s"] > 0
+    assert reduced.background_timings["picture_cpu_s"] > 0  # drawn in the picture process
     kinds.clear()
     extra = WantsMaps()
     maps = PODMonitor(n_snapshots=18, extras=[extra])

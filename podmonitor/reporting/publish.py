@@ -89,6 +89,7 @@ class Publisher:
         self.worker = BackgroundWorker(warning=warning) if background and not strict else None
         self.warning = warning
         self.painter: PictureProcess | None = None
+        self._painter_timings: dict[str, float] = {"cpu_s": 0.0}  # the child's CPU for this publisher
         if self.worker is not None and picture_process is not False:
             self.painter = shared_picture_process() if picture_process is True else picture_process
         self._policy = LogPolicy()
@@ -275,7 +276,7 @@ class Publisher:
         try:
             if self.painter is not None:
                 try:
-                    return self.painter.draw_run_pictures(*args, which=self.pictures)
+                    return self.painter.draw_run_pictures(*args, which=self.pictures, timings=self._painter_timings)
                 except PictureProcessError as err:
                     self.painter = None
                     warnings.warn(f"PODMonitor: {err}; the pictures are drawn in the training process from now on",
@@ -354,11 +355,13 @@ class Publisher:
         self.outputs.close()
 
     def background_seconds(self) -> dict[str, float]:
-        """What the outputs run in the background have cost so far: ``{"wall_s", "cpu_s"}`` (the
-        worker's busy time and its thread's CPU time; zeros when outputs run in the loop)."""
+        """What the outputs run in the background have cost so far: ``{"wall_s", "cpu_s",
+        "picture_cpu_s"}`` (the worker's busy time, its thread's CPU time, and the picture process's
+        CPU time for this publisher's pictures; zeros when outputs run in the loop)."""
         if self.worker is None:
-            return {"wall_s": 0.0, "cpu_s": 0.0}
-        return {"wall_s": self.worker.busy_s, "cpu_s": self.worker.cpu_s}
+            return {"wall_s": 0.0, "cpu_s": 0.0, "picture_cpu_s": 0.0}
+        return {"wall_s": self.worker.busy_s, "cpu_s": self.worker.cpu_s,
+                "picture_cpu_s": self._painter_timings["cpu_s"]}
 
 
 def _records_in(path: str) -> dict[tuple[int, str], str]:

@@ -32,6 +32,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -179,18 +180,26 @@ class PictureProcess:
     def draw_run_pictures(self, prefix: str, reports: Mapping[str, PODReport], present: Sequence[str],
                           trend: Mapping[str, tuple[str, Mapping[str, Sequence[float]]]] | None = None,
                           steps: Sequence[int] = (), units: Mapping[str, str] | None = None,
-                          which: Collection[str] = PICTURES) -> dict[str, np.ndarray]:
+                          which: Collection[str] = PICTURES,
+                          timings: dict[str, float] | None = None) -> dict[str, np.ndarray]:
         """:func:`~podmonitor.reporting.figures.draw_run_pictures`, drawn in the child (the same
         arguments; the reports go without what no picture reads: :func:`for_pictures`).
+
+        Args:
+            timings: when given, ``timings["cpu_s"]`` grows by the child's CPU seconds for this
+                request (the drawing, and the unpickling of the reports).
 
         Returns:
             tag -> (H, W, 3) uint8 array.
         """
         slim = {name: for_pictures(rep) for name, rep in reports.items()}
-        pictures = self._ask(("draw_run_pictures", (prefix, slim, list(present), trend, list(steps), units),
-                              {"which": tuple(which)}))
-        if not isinstance(pictures, Mapping):
-            raise PictureProcessError(f"the picture process returned {type(pictures).__name__}")
+        answer = self._ask(("draw_run_pictures", (prefix, slim, list(present), trend, list(steps), units),
+                            {"which": tuple(which)}))
+        if not (isinstance(answer, tuple) and len(answer) == 2 and isinstance(answer[0], Mapping)):
+            raise PictureProcessError(f"the picture process returned {type(answer).__name__}")
+        pictures, cpu_s = answer
+        if timings is not None:
+            timings["cpu_s"] = timings.get("cpu_s", 0.0) + float(cpu_s)
         return dict(pictures)
 
     def status(self) -> dict[str, Any]:
@@ -258,13 +267,15 @@ def _serve(niceness: int) -> None:
 
     while True:
         try:
-            request = pickle.loads(_read(requests))
+            payload = _read(requests)
         except EOFError:
             return
-        what, args, kwargs = request
+        cpu = time.process_time()
+        what, args, kwargs = pickle.loads(payload)
         try:
             if what == "draw_run_pictures":
-                answer: tuple[Any, ...] = ("ok", draw_run_pictures(*args, **kwargs))
+                pictures = draw_run_pictures(*args, **kwargs)
+                answer: tuple[Any, ...] = ("ok", (pictures, time.process_time() - cpu))
             elif what == "status":
                 answer = ("ok", {"pid": os.getpid(), "niceness": os.nice(0) if hasattr(os, "nice") else None})
             else:
