@@ -3,9 +3,11 @@
 Drawing a figure is mostly Python (matplotlib's ticks, text layout). On a thread of the training
 process it competes with the training loop for the interpreter lock: the loop releases the lock in
 every tensor operation and then waits for the drawing thread to hand it back (up to Python's switch
-interval, 5 ms, each time). Measured on 2 CPU cores with the tiny reference GPT, the training
-steps that overlapped a picture run on such a thread took 1068 ms against 285 ms at other times.
-The same contention throttles the kernel launches of a GPU run, whatever the number of free cores.
+interval, 5 ms, each time). ``benchmarks/bench_background.py`` measured it on 2 CPU cores with the
+tiny reference GPT (medians of six alternating pairs of segments, training steps with / without a
+picture run in the background): a thread at the normal priority 4.53x with both cores training and
+1.79x with one core left free (as a GPU run leaves the CPU), a thread at the lowest priority 0.97x
+and 1.82x, this child process 0.99x and 1.05x.
 
 :class:`PictureProcess` runs :func:`~podmonitor.reporting.figures.draw_run_pictures` in a child
 Python (``python -m podmonitor.reporting.render_process``) with its own interpreter lock, at the

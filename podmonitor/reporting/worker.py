@@ -10,13 +10,12 @@ escapes a job is kept and warned once, and the worker goes on. :attr:`Background
 timing inside the validation loop sees.
 
 On Linux the worker thread lowers its own scheduling priority (``niceness``, default 19, the
-lowest; the rest of the process keeps its own). Where training keeps every core busy (a CPU run
-on all cores), a job at the normal priority takes a core away from the training's threads, and
-every parallel operator then waits for its slowest thread; measured on 2 cores, a picture run of
-3 s of CPU slowed 40 training steps by 4 s at the normal priority and by 0.6 to 1.8 s at niceness
-19, which runs it in the training's idle moments (``benchmarks/bench_overhead.py`` measures a whole
-fit). Where cores are free (a GPU run) the priority changes nothing. When the training waits for
-the worker (:meth:`flush`, or :meth:`submit` with a full queue) the worker has the CPU to itself.
+lowest; the rest of the process keeps its own): where training keeps every core busy (a CPU run on
+all cores), work at the normal priority takes a core from the training's threads. The pictures
+themselves are drawn in a child process (:mod:`podmonitor.reporting.render_process`), because a
+thread of the training process also competes for its interpreter lock, whatever its priority
+(``benchmarks/bench_background.py`` measures both). When the training waits for the worker
+(:meth:`flush`, or :meth:`submit` with a full queue) the worker has the CPU to itself.
 """
 
 from __future__ import annotations
