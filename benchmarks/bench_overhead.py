@@ -266,7 +266,8 @@ def main() -> None:
         print(f"outputs in the background (pictures, sinks; median over fits): the worker {wall_bg:.2f} s busy, "
               f"{thread_bg:.2f} s of its thread's CPU; the picture process {picture_bg:.2f} s of CPU")
         print(f"the monitor's accounted work (in-loop total + background CPU): {total + cpu_bg:.2f} s = "
-              f"{100 * (total + cpu_bg) / plain:.1f} % of the plain fit (an estimate free of fit-to-fit noise; "
+              f"{100 * (total + cpu_bg) / plain:.1f} % of the plain fit (the work done, free of fit-to-fit noise; "
+              "not all of it is wall time: the low-priority background work partly fills the training's idle moments; "
               "it leaves out what the capture adds to the validation steps themselves)")
     extra = [o["extra_s"] for o in overlaps if "extra_s" in o]
     if extra:

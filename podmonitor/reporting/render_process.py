@@ -132,7 +132,8 @@ class PictureProcess:
         env = dict(os.environ)
         # the child imports the same podmonitor as this process, wherever that was found
         root = str(Path(__file__).resolve().parents[2])
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+        paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != root]
+        env["PYTHONPATH"] = os.pathsep.join([root, *paths])
         for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
             env[var] = "1"  # one thread: the child must not compete with the training's threads
         env["MPLBACKEND"] = "Agg"
