@@ -15,10 +15,6 @@ from podmonitor.reporting.publish import Publisher
 from podmonitor.reporting.render_process import PictureProcess, PictureProcessError, shared_picture_process
 
 
-def _names(reports: dict) -> list[str]:
-    return list(reports)
-
-
 @pytest.fixture(scope="module")
 def painter():
     p = PictureProcess()
@@ -31,7 +27,7 @@ def test_the_child_draws_the_same_pixels_as_this_process(painter, real_reports, 
     empty arrays...), with a trend: the child's arrays equal drawing here, bit for bit."""
     reports = {f"layer_{i}": r for i, r in enumerate(real_reports)}
     reports.update(flagged_reports)
-    present = _names(reports)
+    present = list(reports)
     steps = [100, 200, 300]
     trend = {"t_spec": ("T_spec", {n: [1.0, float(i), float("nan")] for i, n in enumerate(present)})}
     units = {"t_spec": ""}
