@@ -262,9 +262,11 @@ def main() -> None:
         wall_bg = statistics.median(b.get("wall_s", 0.0) for b in backgrounds)
         thread_bg = statistics.median(b.get("cpu_s", 0.0) for b in backgrounds)
         picture_bg = statistics.median(b.get("picture_cpu_s", 0.0) for b in backgrounds)
-        cpu_bg = thread_bg + picture_bg
+        help_bg = statistics.median(b.get("help_cpu_s", 0.0) for b in backgrounds)
+        cpu_bg = thread_bg + picture_bg + help_bg
         print(f"outputs in the background (pictures, sinks; median over fits): the worker {wall_bg:.2f} s busy, "
-              f"{thread_bg:.2f} s of its thread's CPU; the picture process {picture_bg:.2f} s of CPU")
+              f"{thread_bg:.2f} s of its thread's CPU; the picture process {picture_bg:.2f} s of CPU; "
+              f"the training process drew parts of the pictures it waited for at the end in {help_bg:.2f} s of CPU")
         print(f"the monitor's accounted work (in-loop total + background CPU): {total + cpu_bg:.2f} s = "
               f"{100 * (total + cpu_bg) / plain:.1f} % of the plain fit (the work done, free of fit-to-fit noise; "
               "not all of it is wall time: the low-priority background work partly fills the training's idle moments; "

@@ -18,8 +18,9 @@ from typing import Any
 from ..engine.report import PODReport
 from ..extras import ExtraResult
 from .delivery import Outputs
-from .figures import PICTURES, check_pictures, draw_run_pictures
+from .figures import PICTURES, check_pictures
 from .metrics import RUN_METRICS, LogPolicy, glossary_markdown, glossary_rows, registry
+from .picture_run import PictureRun
 from .render_process import PictureProcess, PictureProcessError, shared_picture_process
 from .scalars import layer_scalars, metric_tags, summary_markdown, summary_table
 from .sinks import read_json_lines, strict_jsonable
@@ -90,6 +91,8 @@ class Publisher:
         self.warning = warning
         self.painter: PictureProcess | None = None
         self._painter_timings: dict[str, float] = {"cpu_s": 0.0}  # the child's CPU for this publisher
+        self._open_runs: list[PictureRun] = []  # picture runs queued or being drawn in the background
+        self._help_cpu_s = 0.0  # what the waiting thread spent drawing them (see flush and close)
         if self.worker is not None and picture_process is not False:
             self.painter = shared_picture_process() if picture_process is True else picture_process
         self._policy = LogPolicy()
@@ -214,10 +217,12 @@ class Publisher:
         self.outputs.layer_names = list(layer_names)
         failures: list[str] = []
 
+        picture_run = self._picture_run(reports, present, failures, trend, steps) if images and layer_reports else None
+
         def job() -> None:
             pictures: dict[str, Any] = {}
-            if images and layer_reports:
-                pictures = self._pictures(reports, present, failures, trend, steps)
+            if picture_run is not None:
+                pictures = self._draw_pictures(picture_run)
                 for res in extras.values():
                     pictures.update(self._extra_pictures(res, failures))
 
@@ -267,24 +272,46 @@ class Publisher:
         entry["output_failures"] = failures  # filled by the outputs job (in the background)
         return entry
 
-    def _pictures(self, reports: Mapping[str, PODReport], present: Sequence[str], failures: list[str],
-                  trend: Mapping[str, Any] | None = None, steps: Sequence[int] = ()) -> dict[str, Any]:
-        """Every picture of a run (:func:`~podmonitor.reporting.figures.draw_run_pictures`); ``trend``
-        (copies of the headline series, see :meth:`_trend`) adds the layers x steps heatmaps."""
+    def _picture_run(self, reports: Mapping[str, PODReport], present: Sequence[str], failures: list[str],
+                     trend: Mapping[str, Any] | None = None, steps: Sequence[int] = ()) -> PictureRun:
+        """Every picture of a run, to be drawn (:class:`~podmonitor.reporting.picture_run.PictureRun`;
+        :func:`~podmonitor.reporting.figures.draw_run_pictures` in parts); ``trend`` (copies of the
+        headline series, see :meth:`_trend`) adds the layers x steps heatmaps. A part that fails
+        costs its pictures only. Runs drawn in the background are open to :meth:`flush`'s help."""
         units = {m.key: m.unit for m in registry()}
-        args = (self.prefix, reports, present, trend, steps, units)
-        try:
+        run = PictureRun(self.prefix, reports, present, trend, steps, units, self.pictures,
+                         lambda err: self.outputs._failed("the pictures", "drawing", err, failures))
+        if self.worker is not None:
+            self._open_runs.append(run)
+        return run
+
+    def _draw_pictures(self, run: PictureRun) -> dict[str, Any]:
+        """Draw ``run`` (in the picture process when there is one, else in this process)."""
+
+        def part(reports: Mapping[str, PODReport], layers: Sequence[str], names: tuple[str, ...]) -> dict[str, Any]:
             if self.painter is not None:
                 try:
-                    return self.painter.draw_run_pictures(*args, which=self.pictures, timings=self._painter_timings)
+                    return self.painter.draw_run_pictures(run.prefix, reports, layers, run.trend, run.steps,
+                                                          run.units, which=names, timings=self._painter_timings)
                 except PictureProcessError as err:
                     self.painter = None
                     warnings.warn(f"PODMonitor: {err}; the pictures are drawn in the training process from now on",
                                   self.warning, stacklevel=2)
-            return draw_run_pictures(*args, which=self.pictures)
-        except Exception as err:  # noqa: BLE001 - a picture never costs the numbers
-            self.outputs._failed("the pictures", "drawing", err, failures)
-            return {}
+            return run.draw_here(reports, layers, names)
+
+        try:
+            return run.draw(part)
+        finally:
+            if run in self._open_runs:
+                self._open_runs.remove(run)
+
+    def _help(self) -> None:
+        """From a thread that is about to wait for the background outputs: draw, in this process,
+        the parts of the queued picture runs that nobody has started (the worker writes them)."""
+        for run in list(self._open_runs):
+            cpu = run.help_cpu_s
+            run.help()
+            self._help_cpu_s += run.help_cpu_s - cpu
 
     def _extra_pictures(self, result: ExtraResult, failures: list[str]) -> dict[str, Any]:
         """An extra's pictures, those given as functions drawn now (one failing costs that picture)."""
@@ -308,8 +335,10 @@ class Publisher:
             return False
         failures: list[str] = []
 
+        picture_run = self._picture_run(reports, present, failures, trend, steps)
+
         def job() -> None:
-            pictures = self._pictures(reports, present, failures, trend, steps)
+            pictures = self._draw_pictures(picture_run)
             if pictures:
                 self.outputs.send(loggers, lambda sink: sink.log_images(pictures, step), failures)
 
@@ -344,24 +373,30 @@ class Publisher:
         return out
 
     def flush(self) -> None:
-        """Wait for the outputs queued in the background."""
+        """Wait for the outputs queued in the background, drawing the pictures' parts that nobody
+        has started meanwhile (see :mod:`~podmonitor.reporting.picture_run`)."""
         if self.worker is not None:
+            self._help()
             self.worker.flush()
 
     def close(self) -> None:
-        """Run the queued outputs, close the JSON-lines file, flush the sinks."""
+        """Run the queued outputs (helping with their pictures as :meth:`flush` does), close the
+        JSON-lines file, flush the sinks."""
         if self.worker is not None:
+            self._help()
             self.worker.close()
         self.outputs.close()
 
     def background_seconds(self) -> dict[str, float]:
         """What the outputs run in the background have cost so far: ``{"wall_s", "cpu_s",
-        "picture_cpu_s"}`` (the worker's busy time, its thread's CPU time, and the picture process's
-        CPU time for this publisher's pictures; zeros when outputs run in the loop)."""
+        "picture_cpu_s", "help_cpu_s"}`` (the worker's busy time, its thread's CPU time, the picture
+        process's CPU time for this publisher's pictures, and the CPU time the thread waiting in
+        :meth:`flush` or :meth:`close` spent drawing parts of them; zeros when outputs run in the
+        loop)."""
         if self.worker is None:
-            return {"wall_s": 0.0, "cpu_s": 0.0, "picture_cpu_s": 0.0}
+            return {"wall_s": 0.0, "cpu_s": 0.0, "picture_cpu_s": 0.0, "help_cpu_s": 0.0}
         return {"wall_s": self.worker.busy_s, "cpu_s": self.worker.cpu_s,
-                "picture_cpu_s": self._painter_timings["cpu_s"]}
+                "picture_cpu_s": self._painter_timings["cpu_s"], "help_cpu_s": self._help_cpu_s}
 
 
 def _records_in(path: str) -> dict[tuple[int, str], str]:

@@ -113,8 +113,8 @@ def test_the_publisher_falls_back_to_this_process_and_warns_once(tmp_path, real_
     reports = {"layer_0": real_reports[0], "layer_1": real_reports[1]}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        pictures = pub._pictures(reports, list(reports), [])
-        again = pub._pictures(reports, list(reports), [])
+        pictures = pub._draw_pictures(pub._picture_run(reports, list(reports), []))
+        again = pub._draw_pictures(pub._picture_run(reports, list(reports), []))
     assert Broken.calls == 1 and pub.painter is None
     assert sum("drawn in the training process" in str(w.message) for w in caught) == 1
     here = draw_run_pictures("pod", reports, list(reports))
