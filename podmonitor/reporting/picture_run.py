@@ -97,15 +97,16 @@ class PictureRun:
 
     def _draw(self, index: int, drawer: PartDrawer) -> None:
         layers, names = self.parts[index]
+        result: dict[str, np.ndarray] = {}
         try:
             result = drawer({n: self.reports[n] for n in layers}, layers, names)
         except Exception as err:  # noqa: BLE001 - a part never costs the others
             self.on_error(err)
-            result = {}
-        with self._cond:
-            self._results[index] = result
-            self._n_done += 1
-            self._cond.notify_all()
+        finally:  # also when it raises (strict, an interrupt): :meth:`draw` never waits for it in vain
+            with self._cond:
+                self._results[index] = result
+                self._n_done += 1
+                self._cond.notify_all()
 
     def draw(self, drawer: PartDrawer) -> dict[str, np.ndarray]:
         """Draw the parts nobody has taken with ``drawer``, wait for those a helper is drawing,

@@ -115,3 +115,33 @@ def test_the_publisher_helps_with_the_pictures_it_waits_for_at_close(tmp_path, r
     assert failures == [] and run.helped == len(run.parts) - 1
     assert pub.background_seconds()["help_cpu_s"] > 0 and pub._open_runs == []
     _same(got, draw_run_pictures("pod", reports, list(reports), TREND, STEPS, run.units))
+
+
+def test_an_interrupted_helper_never_leaves_the_worker_waiting(real_reports):
+    """A helper stopped by an interrupt (a BaseException) gives up its part; the worker finishes
+    the run without it instead of waiting for it forever."""
+
+    class Interrupt(BaseException):
+        pass
+
+    reports = _reports(real_reports)
+    run = PictureRun("pod", reports, list(reports), TREND, STEPS, None, PICTURES, lambda err: None)
+
+    def interrupted(part_reports, layers, names):
+        raise Interrupt
+
+    run.draw_here = interrupted  # the helper's drawer
+    with pytest.raises(Interrupt):
+        run.help()
+    result, done = {}, threading.Event()
+
+    def worker():
+        result.update(run.draw(lambda r, layers, names: draw_run_pictures("pod", r, layers, TREND, STEPS,
+                                                                          which=names)))
+        done.set()
+
+    threading.Thread(target=worker, daemon=True).start()
+    assert done.wait(60)
+    want = draw_run_pictures("pod", reports, list(reports), TREND, STEPS)
+    assert "pod/scale_organisation" not in result  # the interrupted part (the first)
+    _same(result, {t: a for t, a in want.items() if t != "pod/scale_organisation"})
