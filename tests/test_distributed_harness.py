@@ -25,11 +25,8 @@ def sleeper(tmp: str, seconds: str) -> dict:
 
 
 def identity(tmp: str, text: str) -> dict:
-    """A scenario that finishes: its argument, its process and the modules it found imported."""
-    import sys
-
-    return {"text": text, "pid": os.getpid(), "parent": os.getppid(),
-            "lightning_loaded": "lightning.pytorch" in sys.modules}
+    """A scenario that finishes: its argument and its process id."""
+    return {"text": text, "pid": os.getpid()}
 
 
 def failing(tmp: str) -> dict:
@@ -47,8 +44,8 @@ def _alive(pid: int) -> bool:
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
 def test_a_hanging_scenario_fails_in_time_and_its_whole_group_is_killed(tmp_path):
     start = time.monotonic()
-    with pytest.raises(Failed, match="did not finish within 8 s"):
-        run_scenario("tests.test_distributed_harness:sleeper:600", tmp_path, timeout=8)
+    with pytest.raises(Failed, match="did not finish within 15 s"):
+        run_scenario("tests.test_distributed_harness:sleeper:600", tmp_path, timeout=15)
     assert time.monotonic() - start < 60  # not the 600 s the scenario sleeps
     pid, group, child = map(int, (tmp_path / "pids.txt").read_text().split())
     assert group == pid != os.getpgid(0)  # a session of its own, not pytest's
