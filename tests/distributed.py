@@ -9,8 +9,8 @@ of its own, in a new session, waits at most ``timeout`` seconds, kills the whole
 
 Where processes can fork (Linux, macOS), the scenario's process is forked from a scenario server:
 one process per test session that has imported torch, Lightning and podmonitor once (importing
-Lightning takes about 9 s of CPU here, most of a short scenario's main process, because
-torchmetrics imports transformers when it is installed). Each scenario still gets a process of its
+Lightning is most of a short scenario's main process here, because torchmetrics imports
+transformers when it is installed). Each scenario still gets a process of its
 own and the ranks that ``ddp_spawn`` starts from it are fresh interpreters, exactly as before. The
 server holds no thread of its own and has run no tensor operation when it forks. Elsewhere, or
 when the server cannot start, each scenario runs as ``python -m tests.distributed <target> <tmp>

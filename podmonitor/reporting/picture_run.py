@@ -18,7 +18,6 @@ little time during training and its pictures wait for the end of the fit.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
@@ -84,9 +83,8 @@ class PictureRun:
         self._next = 0  # the first part nobody has taken
         self._results: list[dict[str, np.ndarray] | None] = [None] * len(self.parts)
         self._n_done = 0
-        #: parts drawn by :meth:`help`, and that thread's CPU seconds in them
+        #: parts drawn by :meth:`help`
         self.helped = 0
-        self.help_cpu_s = 0.0
 
     def _take(self) -> int | None:
         with self._cond:
@@ -124,12 +122,10 @@ class PictureRun:
         """Draw the parts nobody has started, in this process (:func:`draw_here`), from a thread
         that would otherwise only wait for them; returns how many it drew."""
         drawn = 0
-        cpu = time.thread_time()
         while (index := self._take()) is not None:
             self._draw(index, self.draw_here)
             drawn += 1
-        self.helped += drawn
-        self.help_cpu_s += time.thread_time() - cpu
+            self.helped += 1
         return drawn
 
     def draw_here(self, reports: Mapping[str, PODReport], layers: Sequence[str],

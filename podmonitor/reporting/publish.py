@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime as _dt
 import math
 import os
+import time
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -93,6 +94,7 @@ class Publisher:
         self._painter_timings: dict[str, float] = {"cpu_s": 0.0}  # the child's CPU for this publisher
         self._open_runs: list[PictureRun] = []  # picture runs queued or being drawn in the background
         self._help_cpu_s = 0.0  # what the waiting thread spent drawing them (see flush and close)
+        self._units: dict[str, str] | None = None  # metric key -> unit, for the heatmaps' colour bars
         if self.worker is not None and picture_process is not False:
             self.painter = shared_picture_process() if picture_process is True else picture_process
         self._policy = LogPolicy()
@@ -278,8 +280,9 @@ class Publisher:
         :func:`~podmonitor.reporting.figures.draw_run_pictures` in parts); ``trend`` (copies of the
         headline series, see :meth:`_trend`) adds the layers x steps heatmaps. A part that fails
         costs its pictures only. Runs drawn in the background are open to :meth:`flush`'s help."""
-        units = {m.key: m.unit for m in registry()}
-        run = PictureRun(self.prefix, reports, present, trend, steps, units, self.pictures,
+        if self._units is None:
+            self._units = {m.key: m.unit for m in registry()}
+        run = PictureRun(self.prefix, reports, present, trend, steps, self._units, self.pictures,
                          lambda err: self.outputs._failed("the pictures", "drawing", err, failures))
         if self.worker is not None:
             self._open_runs.append(run)
@@ -308,10 +311,10 @@ class Publisher:
     def _help(self) -> None:
         """From a thread that is about to wait for the background outputs: draw, in this process,
         the parts of the queued picture runs that nobody has started (the worker writes them)."""
+        cpu = time.thread_time()
         for run in list(self._open_runs):
-            cpu = run.help_cpu_s
             run.help()
-            self._help_cpu_s += run.help_cpu_s - cpu
+        self._help_cpu_s += time.thread_time() - cpu
 
     def _extra_pictures(self, result: ExtraResult, failures: list[str]) -> dict[str, Any]:
         """An extra's pictures, those given as functions drawn now (one failing costs that picture)."""

@@ -81,7 +81,7 @@ def test_a_waiting_thread_draws_the_parts_nobody_started_and_the_worker_puts_the
     assert run.help() == len(run.parts) - 1  # everything but the part the worker holds
     released.set()
     worker.join(30)
-    assert run.helped == len(run.parts) - 1 and run.help_cpu_s > 0
+    assert run.helped == len(run.parts) - 1
     _same(result, draw_run_pictures("pod", reports, list(reports), TREND, STEPS))
 
 
