@@ -15,7 +15,9 @@ of picture, the median milliseconds of building the figure and drawing it to pix
 PNG encoding, and the whole run (median of ``--repeats``, after one untimed warm-up run that pays
 for matplotlib's imports and font cache). The sum is what the background worker spends on the
 pictures of one run (``PODMonitor.background_timings``; ``bench_overhead.py`` reports it for a
-whole fit).
+whole fit). Last, the same run is drawn by a fresh picture process (as the first picture run of a
+fit is), and the child's CPU seconds to the end of that run (its start included), the part of them
+spent drawing, and its resident memory are printed.
 
 With ``--compare OLD_ROOT`` the whole picture run is timed for OLD_ROOT (a checkout or worktree
 of another commit) and for this tree in fresh processes, alternating, ``--rounds`` times, and the
@@ -98,12 +100,40 @@ def picture_run(args: argparse.Namespace) -> dict[str, object]:
     return {"podmonitor": str(Path(podmonitor.__file__).parent.parent), "total_s": statistics.median(totals),
             "draw_ms": {k: statistics.median(v) for k, v in draw_ms.items()},
             "png_ms": {k: statistics.median(v) for k, v in png_ms.items()},
-            "per_run": {k: v // args.repeats for k, v in counts.items()}}
+            "per_run": {k: v // args.repeats for k, v in counts.items()},
+            **picture_process_start(reports, names, trend, steps, units)}
+
+
+def picture_process_start(reports: dict, names: list[str], trend: dict, steps: list[int],
+                          units: dict[str, str]) -> dict[str, float]:
+    """The same run drawn by a fresh picture process (``PictureProcess``, at niceness 0 here so
+    that the timing does not depend on the priority): the child's CPU seconds up to the end of
+    its first request, its start included (read from /proc), of which the drawing, and its
+    resident memory after it (MiB). NaN where /proc cannot be read."""
+    from podmonitor.reporting.render_process import PictureProcess
+
+    painter = PictureProcess(niceness=0)
+    timings: dict[str, float] = {}
+    try:
+        painter.draw_run_pictures("pod", reports, names, trend, steps, units, timings=timings)
+        pid = painter.status()["pid"]
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            fields = stat[stat.rindex(")") + 2:].split()  # from field 3 on
+            cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+            rss = next(int(line.split()[1]) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                       if line.startswith("VmRSS:")) / 1024
+        except (OSError, ValueError, StopIteration):
+            cpu = rss = float("nan")
+    finally:
+        painter.close()
+    return {"child_first_cpu_s": cpu, "child_draw_cpu_s": timings.get("cpu_s", float("nan")), "child_rss_mib": rss}
 
 
 def compare(args: argparse.Namespace) -> None:
     roots = {"old": args.compare.resolve(), "new": HERE}
     totals: dict[str, list[float]] = {"old": [], "new": []}
+    starts: dict[str, list[float]] = {"old": [], "new": []}
     for r in range(args.rounds):
         for side in (["old", "new"] if r % 2 == 0 else ["new", "old"]):
             cmd = [sys.executable, str(Path(__file__).resolve()), "--json", "--repeats", str(args.repeats),
@@ -113,10 +143,21 @@ def compare(args: argparse.Namespace) -> None:
                                  env={**os.environ, "PYTHONPATH": str(roots[side])}).stdout
             res = json.loads(out.strip().splitlines()[-1])
             totals[side].append(res["total_s"])
-            print(f"[{side}] picture run {totals[side][-1]:.3f} s (podmonitor from {res['podmonitor']})", flush=True)
+            starts[side].append(res["child_first_cpu_s"])
+            print(f"[{side}] picture run {totals[side][-1]:.3f} s; {child_line(res)} "
+                  f"(podmonitor from {res['podmonitor']})", flush=True)
     old, new = statistics.median(totals["old"]), statistics.median(totals["new"])
     print(f"\nmedians of {args.rounds} rounds: {roots['old']} {old:.3f} s, this tree {new:.3f} s, ratio new/old "
           f"{new / old:.3f}")
+    old, new = statistics.median(starts["old"]), statistics.median(starts["new"])
+    print(f"a fresh picture process's CPU to the end of its first run: {roots['old']} {old:.2f} s, "
+          f"this tree {new:.2f} s")
+
+
+def child_line(res: dict[str, object]) -> str:
+    """The picture-process numbers of one result, as one line."""
+    return (f"a fresh picture process: {res['child_first_cpu_s']:.2f} s of CPU to the end of its first run, "
+            f"{res['child_draw_cpu_s']:.2f} s of it drawing; {res['child_rss_mib']:.0f} MiB resident")
 
 
 def main() -> None:
@@ -146,6 +187,7 @@ def main() -> None:
     n_pictures = sum(res["per_run"].values())
     print(f"whole run: {n_pictures} pictures drawn in {res['draw_ms']['(all)'] / 1e3:.3f} s, "
           f"{res['total_s']:.3f} s with their PNG encoding")
+    print(child_line(res))
 
 
 if __name__ == "__main__":

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-import numpy as np
-from torch import Tensor
+from typing import TYPE_CHECKING
 
-from .accumulator import PODAccumulator
-from .config import PODConfig
-from .report import PODReport
+if TYPE_CHECKING:  # (imported when called: ``podmonitor.engine`` loads without torch)
+    import numpy as np
+    from torch import Tensor
+
+    from .config import PODConfig
+    from .report import PODReport
 
 
 def analyze(fields: Tensor | np.ndarray, config: PODConfig | None = None) -> PODReport:
@@ -31,6 +33,8 @@ def analyze(fields: Tensor | np.ndarray, config: PODConfig | None = None) -> POD
         >>> report = analyze(fields, config=PODConfig())
         >>> report.dominant_scales, report.t_spec, report.effective_rank[0.1]
     """
+    from .accumulator import PODAccumulator
+
     acc = PODAccumulator(config)
     acc.update(fields)
     return acc.compute()

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from torch import Tensor
+if TYPE_CHECKING:  # (no torch at run time: the picture process draws reports without it)
+    from torch import Tensor
+
 
 #: Report statuses. "ok" is the only one whose headline numbers are meaningful.
 STATUSES = {
@@ -38,9 +41,12 @@ def eps_lookup(d: Any, eps: float) -> Any:
 
 
 def _jsonable(x: Any) -> Any:
-    """Tensors -> lists, non-finite floats -> None (strict JSON has no NaN/inf)."""
-    if isinstance(x, Tensor):
+    """Tensors and numpy arrays -> lists, non-finite floats -> None (strict JSON has no NaN/inf)."""
+    torch = sys.modules.get("torch")  # (no tensor exists unless torch was imported)
+    if torch is not None and isinstance(x, torch.Tensor):
         return _jsonable(x.detach().cpu().tolist())
+    if type(x).__module__ == "numpy":  # arrays and numpy scalars (reports as the picture process holds them)
+        return _jsonable(x.tolist())
     if isinstance(x, float):
         return x if math.isfinite(x) else None
     if isinstance(x, dict):

@@ -9,25 +9,54 @@ reports and writes them out; it holds no Lightning callback code.
 - :mod:`.sinks`: TensorBoard, W&B, PNG and JSON-lines outputs; :func:`sinks_for_loggers`.
 """
 
-from .figures import (
-    coherency_figure,
-    figure_to_array,
-    layer_images,
-    modes_figure,
-    scale_organisation_figure,
-    scalogram_figure,
-    spectrum_figure,
-)
-from .scalars import custom_scalars_layout, layer_scalars, metric_names, summary_markdown
-from .sinks import (
-    JSONLinesWriter,
-    PNGSink,
-    ReportSink,
-    TensorBoardSink,
-    WandbSink,
-    read_json_lines,
-    sinks_for_loggers,
-)
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .figures import (
+        coherency_figure,
+        figure_to_array,
+        layer_images,
+        modes_figure,
+        scale_organisation_figure,
+        scalogram_figure,
+        spectrum_figure,
+    )
+    from .scalars import custom_scalars_layout, layer_scalars, metric_names, summary_markdown
+    from .sinks import (
+        JSONLinesWriter,
+        PNGSink,
+        ReportSink,
+        TensorBoardSink,
+        WandbSink,
+        read_json_lines,
+        sinks_for_loggers,
+    )
+
+#: Where each public name lives; a module is imported when one of its names is first asked for
+#: (the picture process imports ``.figures`` alone, without torch).
+_LAZY = {
+    **dict.fromkeys(("coherency_figure", "figure_to_array", "layer_images", "modes_figure",
+                     "scale_organisation_figure", "scalogram_figure", "spectrum_figure"), "figures"),
+    **dict.fromkeys(("custom_scalars_layout", "layer_scalars", "metric_names", "summary_markdown"), "scalars"),
+    **dict.fromkeys(("JSONLinesWriter", "PNGSink", "ReportSink", "TensorBoardSink", "WandbSink",
+                     "read_json_lines", "sinks_for_loggers"), "sinks"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value  # later lookups skip this function
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "JSONLinesWriter",

@@ -99,8 +99,11 @@ def _rect(fig: Figure, left: float, bottom: float, right: float, top: float) -> 
     return [left / w, bottom / h, max(0.05, (w - left - right) / w), max(0.05, (h - bottom - top) / h)]
 
 
-def _np(x: Any) -> np.ndarray:
-    """Tensor / array / list / None -> float64 numpy array (None -> empty)."""
+def as_float_array(x: Any) -> np.ndarray:
+    """Tensor / array / list / None -> float64 numpy array (None -> empty): how every picture reads
+    a report's numbers (complex tensors by their magnitude). The picture process receives the
+    reports' tensors already converted by this function, so it draws the same values without
+    torch."""
     if x is None:
         return np.zeros(0, dtype=np.float64)
     if hasattr(x, "detach"):  # torch.Tensor, without importing torch here
@@ -112,6 +115,9 @@ def _np(x: Any) -> np.ndarray:
         return np.asarray(x, dtype=np.float64)
     except (TypeError, ValueError):
         return np.zeros(0, dtype=np.float64)
+
+
+_np = as_float_array  # (the short name the figures use)
 
 
 def _finite(x: Any) -> bool:

@@ -70,6 +70,21 @@ def test_the_child_runs_at_the_lowest_priority_with_one_thread(painter):
     assert b"OMP_NUM_THREADS=1" in environ and b"CUDA_VISIBLE_DEVICES=" in environ
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_the_child_draws_reports_without_ever_loading_torch(painter, real_reports, flagged_reports):
+    """Reports hold tensors; the child gets them as float64 arrays and never imports torch (its
+    start would cost about 2 s of CPU more, at the lowest priority on cores the training keeps
+    busy). Checked from outside too: no torch library is mapped into the child's memory."""
+    reports = {f"layer_{i}": r for i, r in enumerate(real_reports)}
+    reports.update(flagged_reports)
+    pictures = painter.draw_run_pictures("pod", reports, list(reports))
+    assert len(pictures) > 5 * len(reports) - 10
+    status = painter.status()
+    assert status["torch_imported"] is False
+    maps = open(f"/proc/{status['pid']}/maps").read()
+    assert "libtorch" not in maps and "matplotlib" in maps  # (the maps name the loaded libraries)
+
+
 def test_a_drawing_error_in_the_child_comes_back_as_an_error_and_the_child_goes_on(painter, real_reports):
     with pytest.raises(ValueError, match="unknown picture.*raised in the picture process"):
         painter.draw_run_pictures("pod", {"a": real_reports[0]}, ["a"], which=["no_such_picture"])
