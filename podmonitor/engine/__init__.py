@@ -8,9 +8,9 @@ The path of the data: :class:`PODAccumulator` (``accumulator``: the running stat
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from .._lazy import lazy_names
 from .analyze import analyze  # (the function, bound over the submodule of the same name; torch-free)
 
 if TYPE_CHECKING:
@@ -34,18 +34,7 @@ _LAZY = {
     "FrequentDirections": "sketch",
 }
 
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
-        globals()[name] = value  # later lookups skip this function
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
-
+__getattr__, __dir__ = lazy_names(__name__, _LAZY, globals())
 
 __all__ = [
     "FrequentDirections",
