@@ -64,7 +64,7 @@ class PictureProcessError(RuntimeError):
 
 class _ArrayPickler(pickle.Pickler):
     """Pickles tensors as the float64 numpy arrays the pictures read (:func:`as_float_array`):
-    the child never imports torch (about 2 s of CPU and a few hundred MB less per child, which
+    the child never imports torch (about 2 s of CPU and 180 MiB of memory less per child, which
     matters most where the child runs at the lowest priority on busy cores) and never touches a
     GPU."""
 
