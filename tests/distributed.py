@@ -40,7 +40,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 #: imported by the scenario server before it forks (what every scenario's main process needs)
-PRELOAD = ("torch", "lightning.pytorch", "podmonitor", "tests.ddp_scenarios")
+PRELOAD = ("torch", "lightning.pytorch", "podmonitor.callback", "tests.ddp_scenarios")
 
 
 def _env(timeout: float) -> dict[str, str]:

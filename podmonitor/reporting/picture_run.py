@@ -83,8 +83,6 @@ class PictureRun:
         self._next = 0  # the first part nobody has taken
         self._results: list[dict[str, np.ndarray] | None] = [None] * len(self.parts)
         self._n_done = 0
-        #: parts drawn by :meth:`help`
-        self.helped = 0
 
     def _take(self) -> int | None:
         with self._cond:
@@ -125,7 +123,6 @@ class PictureRun:
         while (index := self._take()) is not None:
             self._draw(index, self.draw_here)
             drawn += 1
-            self.helped += 1
         return drawn
 
     def draw_here(self, reports: Mapping[str, PODReport], layers: Sequence[str],
