@@ -126,6 +126,28 @@ def field_sums(x: Tensor, dtype: torch.dtype,
     return out, total
 
 
+#: Bytes of the sheared workspace of one update (:class:`~podmonitor.engine.lags.LagShear`): the
+#: fields of as many steps as it holds enter the same lag-moment products (at least one step's).
+SHEAR_BYTES = 36 * 2**20
+
+
+def shear_fields(n_fields: int, per_step: int, seq_len: int, dtype: torch.dtype) -> int:
+    """How many fields the sheared workspace of an update holds: ``SHEAR_BYTES`` worth, at least
+    one step's (``per_step``), at most the ``n_fields`` of the batch."""
+    per_field = seq_len * LagShear.row_width(seq_len, dtype) * dtype.itemsize
+    return max(per_step, min(n_fields, SHEAR_BYTES // per_field))
+
+
+def _add_moments(shear: LagShear, back: Tensor, fwd: Tensor | None) -> None:
+    """Add the lag moments of the fields loaded in ``shear`` to ``back`` (and ``fwd`` for
+    bidirectional fields), then empty it."""
+    if shear.loaded:
+        shear.add_backward_moment(back)
+        if fwd is not None:
+            shear.add_forward_moment(fwd)
+    shear.loaded = 0
+
+
 class PODAccumulator:
     """Incremental scale-selective POD of one layer's attention ensemble.
 
@@ -388,7 +410,8 @@ class PODAccumulator:
         # the products in the moment dtype (float32 for float32 captures, see PODConfig.moment_dtype);
         # each step's products are added to the batch's moments in dt
         md = cfg.moment_dtype_for(x.dtype)
-        shear = LagShear(seq_len, step + (between is not None), md, dev)
+        shear = LagShear(seq_len, shear_fields(n_b + (between is not None), step + (between is not None), seq_len, md),
+                         md, dev)
         m2b_back = scratch((seq_len, seq_len), dt, dev).zero_()
         m2b_fwd = None if causal else scratch((seq_len, seq_len), dt, dev).zero_()
         batch = {r.name: r.allocate(seq_len, causal, dt, dev) for r in STEPPED}  # this batch's contributions
@@ -435,12 +458,14 @@ class PODAccumulator:
             else:
                 target.copy_(torch.gather(flat, 1, rows))
             filled += stop - start
-            # (rounded to md once; the products read the sheared copy, so part may be overwritten)
-            shear.load(part, mean_b, extra=between if start == 0 else None,
-                       scratch=None if centred is None else centred[:stop - start], blocks=blocks)
-            shear.add_backward_moment(m2b_back)
-            if m2b_fwd is not None:
-                shear.add_forward_moment(m2b_fwd)
+            # (rounded to md once; the products read the sheared copy, so part may be overwritten;
+            # the fields of several steps enter the same products, which are faster when larger)
+            extra = between if start == 0 else None
+            if shear.loaded + (stop - start) + (extra is not None) > shear.batch:
+                _add_moments(shear, m2b_back, m2b_fwd)
+            shear.load(part, mean_b, extra=extra, scratch=None if centred is None else centred[:stop - start],
+                       blocks=blocks, at=shear.loaded)
+        _add_moments(shear, m2b_back, m2b_fwd)
         self._combine(n_b, mean_b, shear.finish(m2b_back, backward=True),
                       None if m2b_fwd is None else shear.finish(m2b_fwd, backward=False), between_added=True)
         self._merge_counts(batch)
