@@ -78,6 +78,22 @@ def test_lag_band_layout_roundtrip_and_prefix():
         assert torch.equal(band.lag, band.rows - band.cols)
 
 
+def test_band_gather_in_row_chunks_equals_the_literal_entries():
+    # LagBand.gather_into splits each field's entries into row chunks (one thread per chunk); the
+    # entries, in lag order, are the fields' entries at (i, i - tau) (and (i, i + tau)), whatever
+    # the remainder of the split, the number of fields, or a widening destination dtype
+    gen = torch.Generator().manual_seed(5)
+    for seq_len, n_lags, causal, n in [(10, 4, True, 2), (200, 150, True, 1), (200, 90, False, 3), (333, 333, True, 2)]:
+        band = LagBand.build(seq_len, n_lags=n_lags, causal=causal)
+        a = torch.randn(n, seq_len, seq_len, dtype=torch.float32, generator=gen)
+        literal = a[:, band.rows, band.cols]
+        for dtype in (torch.float32, torch.float64):
+            out = torch.full((n + 1, band.size), float("nan"), dtype=dtype)
+            band.gather_into(a.reshape(n, -1), out[1:])
+            assert torch.equal(out[1:], literal.to(dtype))
+            assert torch.isnan(out[0]).all()  # (nothing written outside the destination rows)
+
+
 def test_lag_window_kinds_and_support():
     tau = torch.arange(0, 200)
     low = lag_window(tau, 8.0, "lowpass")
