@@ -202,6 +202,14 @@ def _ordinary(*tensors: torch.Tensor) -> bool:
 MASK_ROWS = 128
 
 
+#: bytes of scores per part of a block in the blocked attention without autograd (see
+#: :func:`_causal_attention_blocked`)
+SUB_BLOCK_BYTES = 8 * 2**20
+
+#: the fewest rows of such a part
+MIN_SUB_ROWS = 16
+
+
 def _row_blocks(T: int) -> list[tuple[int, int]]:
     """Query rows ``[r0, r1)`` in blocks of :data:`MASK_ROWS`: a block's rows see the keys ``[0, r1)``."""
     return [(r0, min(T, r0 + MASK_ROWS)) for r0 in range(0, T, MASK_ROWS)]
@@ -273,24 +281,33 @@ def _causal_attention_blocked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor 
     layer = None  # the reduction's layer, once a block is formed (out= may be refused before)
     work = hugepages.scratch((lead.numel() * min(T, MASK_ROWS) * T,), q.dtype, q.device)
     upper = _above_diagonal(min(T, MASK_ROWS), q.device)
+    # the rows of a block in parts of at most SUB_BLOCK_BYTES of scores, so that each part's passes
+    # (scores, softmax, reduction, output) run in cache (at 2 x 12 heads and L = 1024 a block of
+    # 128 rows holds 12 MiB); a part's rows see the keys of their block, as the block's own rows
+    # (a power of two, so that the parts of a block are equal: the products of a few rows may round
+    # differently from those of many)
+    fit = SUB_BLOCK_BYTES // max(1, lead.numel() * T * q.element_size())
+    rows_per = MASK_ROWS if fit >= MASK_ROWS else max(MIN_SUB_ROWS, 1 << max(0, fit.bit_length() - 1))
     outputs = []
     for r0, r1 in _row_blocks(T):
-        seen = work[: lead.numel() * (r1 - r0) * r1].view(*lead, r1 - r0, r1)  # keys rows r0..r1-1 can see
-        torch.matmul(q[..., r0:r1, :], k[..., :r1, :].transpose(-2, -1), out=seen)
-        seen.mul_(scale)
-        if log_g is not None:
-            seen.add_(log_g[..., :r1] if log_g.size(-2) == 1 else log_g[..., r0:r1, :r1])
-        seen[..., r0:r1].masked_fill_(upper[: r1 - r0, : r1 - r0], float("-inf"))
-        torch.softmax(seen, dim=-1, out=seen)
-        if reduction is not None:
-            if layer is None:
-                layer = reduction.layer(lead[0], lead[1], T, True, q.device)
-            layer.add(slice(None), r0, seen)  # head average and stability sums, while in cache
-        else:
-            probs[..., r0:r1, :r1].copy_(seen)
-            probs[..., r0:r1, r1:].zero_()
-        if v is not None:
-            outputs.append(seen @ v[..., :r1, :])  # (B, nh, rows, hs), as _causal_product's block
+        for s0 in range(r0, r1, rows_per):
+            s1 = min(r1, s0 + rows_per)
+            seen = work[: lead.numel() * (s1 - s0) * r1].view(*lead, s1 - s0, r1)  # keys rows s0..s1-1 can see
+            torch.matmul(q[..., s0:s1, :], k[..., :r1, :].transpose(-2, -1), out=seen)
+            seen.mul_(scale)
+            if log_g is not None:
+                seen.add_(log_g[..., :r1] if log_g.size(-2) == 1 else log_g[..., s0:s1, :r1])
+            seen[..., r0:r1].masked_fill_(upper[s0 - r0: s1 - r0, : r1 - r0], float("-inf"))
+            torch.softmax(seen, dim=-1, out=seen)
+            if reduction is not None:
+                if layer is None:
+                    layer = reduction.layer(lead[0], lead[1], T, True, q.device)
+                layer.add(slice(None), s0, seen)  # head average and stability sums, while in cache
+            else:
+                probs[..., s0:s1, :r1].copy_(seen)
+                probs[..., s0:s1, r1:].zero_()
+            if v is not None:
+                outputs.append(seen @ v[..., :r1, :])  # (B, nh, rows, hs), rows of _causal_product's block
     return probs, (torch.cat(outputs, dim=-2) if v is not None else None)
 
 

@@ -83,11 +83,16 @@ def test_selected_sequences_carry_their_own_sums():
     _close(_report(layer.result().stability.select(index)), literal(maps[[0, 3]].numpy(), None, True))
 
 
+@pytest.mark.parametrize("parts", [False, True])
 @pytest.mark.parametrize("attention", ["softmax", "ega"])
-def test_reference_gpt_reduces_each_layer_as_it_forms_it(attention):
+def test_reference_gpt_reduces_each_layer_as_it_forms_it(attention, parts, monkeypatch):
+    from podmonitor.models import gpt
+
     torch.manual_seed(0)
     model = GPT(GPTConfig.tiny(vocab_size=50, block_size=300, attention=attention)).eval()
     x = torch.randint(0, 50, (3, 293))  # three causal row blocks, the last one short
+    if parts:  # each block's rows in parts of MIN_SUB_ROWS (as at long contexts with many heads)
+        monkeypatch.setattr(gpt, "SUB_BLOCK_BYTES", 3 * model.config.n_head * gpt.MIN_SUB_ROWS * 293 * 4)
     with torch.no_grad():
         logits, _, maps = model(x, return_attention=True)
         reduction = Reduction()

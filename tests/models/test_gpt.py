@@ -282,24 +282,37 @@ def test_attention_without_gradients_is_the_same_as_with_them(variant: dict) -> 
     assert tan_g.abs().max() > 0  # a real tangent
 
 
+@pytest.mark.parametrize("parts", ["whole blocks", "blocks in parts"])
 @pytest.mark.parametrize("variant", VARIANTS, ids=IDS)
-def test_blocked_masking_without_gradients_gives_the_ordinary_maps(variant: dict) -> None:
+def test_blocked_masking_without_gradients_gives_the_ordinary_maps(variant: dict, parts: str,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """Longer than one block of query rows (MASK_ROWS), and not a multiple of it: without autograd
     the probabilities are computed block by block on the keys each block can see (scores, scale,
     gate, mask and softmax; keys right of a block only written as zeros); the maps are the same
     bits as those of the whole-tensor ops that run while gradients are recorded (so are the
-    layer outputs: the second layer's maps agree too), and every row is a causal distribution."""
+    layer outputs: the second layer's maps agree too), and every row is a causal distribution.
+    "blocks in parts": the rows of each block in parts of MIN_SUB_ROWS rows (what a long context
+    with many heads gets, where a block's scores would not stay in cache)."""
     from podmonitor.models import gpt
+
 
     # several blocks, the last one partial; eight blocks for one plain and one gated variant (there
     # the whole-map product of the probabilities with V rounds differently from the blocks')
     t = (8 if variant in (VARIANTS[0], VARIANTS[3]) else 2) * gpt.MASK_ROWS + 37
     model = make_model(block_size=t, n_layer=2, **variant)
+    if parts == "blocks in parts":  # the scores of 2 sequences x 4 heads x 24 rows of t keys: parts of 16 rows
+        monkeypatch.setattr(gpt, "SUB_BLOCK_BYTES", 2 * 4 * 24 * t * 4)
+        calls = []
+        real_softmax = torch.softmax
+        monkeypatch.setattr(torch, "softmax", lambda x, *a, **kw: calls.append(x.shape[-2]) or real_softmax(x, *a, **kw))
     idx = torch.randint(0, 65, (2, t), generator=torch.Generator().manual_seed(11))
     with torch.no_grad():
         fast_logits, _, fast = model(idx, return_attention=True)
     plain_logits, _, plain = model(idx, return_attention=True)
     assert torch.equal(fast_logits, plain_logits.detach())
+    if parts == "blocks in parts":
+        assert set(calls) == {gpt.MIN_SUB_ROWS, 37 % gpt.MIN_SUB_ROWS}  # (the last block: 37 rows)
+        monkeypatch.setattr(torch, "softmax", real_softmax)
     for a, b in zip(fast, plain, strict=True):
         assert torch.equal(a, b.detach())
         assert torch.count_nonzero(a.triu(1)) == 0
