@@ -304,7 +304,12 @@ def test_blocked_masking_without_gradients_gives_the_ordinary_maps(variant: dict
         monkeypatch.setattr(gpt, "SUB_BLOCK_BYTES", 2 * 4 * 24 * t * 4)
         calls = []
         real_softmax = torch.softmax
-        monkeypatch.setattr(torch, "softmax", lambda x, *a, **kw: calls.append(x.shape[-2]) or real_softmax(x, *a, **kw))
+
+        def counting_softmax(x, *a, **kw):
+            calls.append(x.shape[-2])
+            return real_softmax(x, *a, **kw)
+
+        monkeypatch.setattr(torch, "softmax", counting_softmax)
     idx = torch.randint(0, 65, (2, t), generator=torch.Generator().manual_seed(11))
     with torch.no_grad():
         fast_logits, _, fast = model(idx, return_attention=True)
