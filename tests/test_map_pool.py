@@ -13,6 +13,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from podmonitor import PODMonitor, hugepages
+from podmonitor.engine import accumulator
 from podmonitor.extras import MonitorExtra
 from podmonitor.models.lightning import GPTLightningModule
 
@@ -63,6 +64,17 @@ def _counting_take(monkeypatch) -> tuple[list[int], list[int]]:
     return new, reused
 
 
+def _fields_and_workspace(new: list[int], reused: list[int]) -> tuple[int, int]:
+    """The pool's buffers of maps or fields (8 MiB here) taken new and reused, after checking that
+    the only other buffer, the update's lag-moment workspace of these fields
+    (``accumulator.SHEAR_BYTES`` or less), was taken new once and reused once (the second layer's
+    update at the run's end)."""
+    fields = 8 * 2**20
+    others_new, others_reused = [n for n in new if n != fields], [n for n in reused if n != fields]
+    assert len(others_new) == 1 and others_reused == others_new and others_new[0] <= accumulator.SHEAR_BYTES
+    return new.count(fields), reused.count(fields)
+
+
 def _numbers(monitor: PODMonitor) -> dict[str, list[float]]:
     return {name: [*rep.dominant_scales, *rep.per_scale[0].eigenvalues.tolist(), rep.t_spec, rep.entropy]
             for name, rep in monitor.last_reports.items()}
@@ -77,8 +89,9 @@ def test_the_pool_reuses_the_maps_memory_and_changes_no_number(monkeypatch, tmp_
         _fit(pooled, tmp_path / "pooled")
     # 2 layers' maps: new in the first of 4 batches, then reused (6); at the run's end each layer's
     # queued fields are added as one batch, concatenated into a pool buffer of the same size: new
-    # for the first layer (the pool is emptied after the last batch), reused for the second
-    assert len(new) == 3 and len(reused) == 7
+    # for the first layer (the pool is emptied after the last batch), reused for the second. The
+    # update's lag-moment workspace (one size for every update of this length) likewise
+    assert _fields_and_workspace(new, reused) == (3, 7)
     assert hugepages.BufferPool.take is take
 
     assert hugepages.current_pool() is None  # the monitor left no pool in use in this thread
@@ -156,15 +169,16 @@ def test_the_sdpa_capture_of_a_nanogpt_reuses_the_maps_memory(monkeypatch, tmp_p
         _nano_fit(pooled, tmp_path / "pooled")
     # 2 layers x 4 batches of maps (2 new, 6 reused); the quota of 150 is not reached, so the pool
     # is kept to the run's end, where each layer's queued fields are concatenated into one of the
-    # maps' buffers, idle by then (2 reused)
-    assert len(new) == 2 and len(reused) == 8
+    # maps' buffers, idle by then (2 reused); the update's lag-moment workspace: new, then reused
+    assert _fields_and_workspace(new, reused) == (2, 8)
     assert hugepages.current_pool() is None
     with monkeypatch.context() as patch:
         new, reused = _counting_take(patch)
         _nano_fit(PODMonitor(), tmp_path / "default")
     # no maps: each layer's (2, 512, 512) head averages (2 MiB) are below the pool's size; at the
-    # run's end each layer's 4 queued batches are concatenated (8 MiB): new, then reused
-    assert len(new) == 1 and len(reused) == 1
+    # run's end each layer's 4 queued batches are concatenated (8 MiB): new, then reused (and the
+    # workspace, as above)
+    assert _fields_and_workspace(new, reused) == (1, 1)
     plain = PODMonitor(extras=[ReadsMaps()])
     with monkeypatch.context() as patch:
         patch.setattr(hugepages, "push_pool", lambda pool: None)

@@ -128,14 +128,16 @@ def field_sums(x: Tensor, dtype: torch.dtype,
 
 #: Bytes of the sheared workspace of one update (:class:`~podmonitor.engine.lags.LagShear`): the
 #: fields of as many steps as it holds enter the same lag-moment products (at least one step's).
+#: Only the field slots a batch uses are written (and so faulted in).
 SHEAR_BYTES = 36 * 2**20
 
 
-def shear_fields(n_fields: int, per_step: int, seq_len: int, dtype: torch.dtype) -> int:
+def shear_fields(per_step: int, seq_len: int, dtype: torch.dtype) -> int:
     """How many fields the sheared workspace of an update holds: ``SHEAR_BYTES`` worth, at least
-    one step's (``per_step``), at most the ``n_fields`` of the batch."""
+    ``per_step`` (one step's fields and the between-group field). It does not depend on the batch,
+    so that the workspace of every update of a layer has one size (a buffer pool reuses it)."""
     per_field = seq_len * LagShear.row_width(seq_len, dtype) * dtype.itemsize
-    return max(per_step, min(n_fields, SHEAR_BYTES // per_field))
+    return max(per_step, SHEAR_BYTES // per_field)
 
 
 def _add_moments(shear: LagShear, back: Tensor, fwd: Tensor | None) -> None:
@@ -410,8 +412,7 @@ class PODAccumulator:
         # the products in the moment dtype (float32 for float32 captures, see PODConfig.moment_dtype);
         # each step's products are added to the batch's moments in dt
         md = cfg.moment_dtype_for(x.dtype)
-        shear = LagShear(seq_len, shear_fields(n_b + (between is not None), step + (between is not None), seq_len, md),
-                         md, dev)
+        shear = LagShear(seq_len, shear_fields(step + 1, seq_len, md), md, dev)
         m2b_back = scratch((seq_len, seq_len), dt, dev).zero_()
         m2b_fwd = None if causal else scratch((seq_len, seq_len), dt, dev).zero_()
         batch = {r.name: r.allocate(seq_len, causal, dt, dev) for r in STEPPED}  # this batch's contributions

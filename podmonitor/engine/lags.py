@@ -150,8 +150,9 @@ class LagShear:
 
     ``buf[i, s, L - 1 + j - i] = A_s[i, j]``: in row (i, s), column ``L - 1 - tau`` holds the
     backward lag signal ``d_{s,i}(tau) = A_s[i, i - tau]`` and column ``L - 1 + t`` the forward
-    signal ``A_s[i, i + t]``; entries outside the field fall in padding that is zeroed once and
-    never written, so loading a batch is one strided copy (no index gather, no allocation).
+    signal ``A_s[i, i + t]``; entries outside the field fall in padding that is zeroed once (a
+    field slot when it is first loaded) and never written, so loading a batch is one strided copy
+    (no index gather, no allocation).
     Rows ``i`` of all b fields are adjacent, so the rows ``i >= i0`` of the batch are one matrix.
 
     Moments use the triangular support of lag signals (row ``i`` has backward lags ``<= i``) in
@@ -174,8 +175,9 @@ class LagShear:
         # the rows aligned without a row stride of a multiple of 4 KiB, which maps a panel's rows
         # onto the same cache sets (about 1.3x slower products at L = 256 in float64)
         self.width = self.row_width(seq_len, dtype)
-        self.buf = scratch((seq_len, batch, self.width), dtype, device).zero_()
+        self.buf = scratch((seq_len, batch, self.width), dtype, device)
         self.loaded = 0
+        self.zeroed = 0  # field slots [0, zeroed) hold zero padding (the rest is not read before)
         self.n_panels = max(1, min(n_panels, seq_len))
         self._staging: tuple[Tensor, Tensor] | None = None  # (see _add_product)
 
@@ -208,6 +210,9 @@ class LagShear:
         total = n + (extra is not None)
         if not 0 <= at <= self.batch - total:
             raise ValueError(f"LagShear holds at most {self.batch} fields, got {total} from slot {at}")
+        if at + total > self.zeroed:  # (slots are zeroed as they are first used: a batch of a few
+            self.buf[:, self.zeroed:at + total].zero_()  # fields does not zero the whole workspace)
+            self.zeroed = at + total
         view = self.buf.as_strided((total, seq_len, seq_len), (width, self.batch * width - 1, 1),
                                    self.buf.storage_offset() + seq_len - 1 + at * width)
         for r0, r1 in blocks if blocks is not None else [(0, seq_len)]:
