@@ -126,19 +126,18 @@ def field_sums(x: Tensor, dtype: torch.dtype,
     return out, total
 
 
-#: The sheared workspace of one update (:class:`~podmonitor.engine.lags.LagShear`) holds the
-#: fields of as many steps as fit in ``SHEAR_FIELDS`` fields and ``SHEAR_BYTES`` (at least one
-#: step's), which then enter the same lag-moment products: at L = 1024 four float32 fields at
-#: once took 0.73 s against 0.97 s for the products of 150 fields one at a time; at L = 256, where
-#: a step holds 8 fields already, a workspace of 34 made the update of 6 layers about 12 % slower.
+#: The lag-moment products of an update take the fields of as many steps as fit in
+#: ``SHEAR_FIELDS`` fields and ``SHEAR_BYTES`` of the sheared workspace
+#: (:class:`~podmonitor.engine.lags.LagShear`; at least one step's): at L = 1024 four float32
+#: fields at once took 0.73 s against 0.97 s for the products of 150 fields one at a time; at
+#: L = 256 a step holds 8 fields already.
 SHEAR_FIELDS = 4
 SHEAR_BYTES = 36 * 2**20
 
 
 def shear_fields(per_step: int, seq_len: int, dtype: torch.dtype) -> int:
-    """How many fields the sheared workspace of an update holds (see :data:`SHEAR_FIELDS`); at
-    least ``per_step`` (one step's fields and the between-group field). It does not depend on the
-    batch, so that the workspace of every update of a layer has one size (a buffer pool reuses it)."""
+    """The most fields the lag-moment products of an update take at once (see
+    :data:`SHEAR_FIELDS`); at least ``per_step`` (one step's fields and the between-group field)."""
     per_field = seq_len * LagShear.row_width(seq_len, dtype) * dtype.itemsize
     return max(per_step, min(SHEAR_FIELDS, SHEAR_BYTES // per_field))
 
@@ -395,9 +394,10 @@ class PODAccumulator:
         the state's device one step at a time, never as a whole, and each step's temporaries stay
         in cache. Per step: the running quantities' steps and the band entries read the converted
         fields, then the fields are centred (in place when converted) and rounded once into the
-        products' workspace. Chan et al.'s between-group term ``n_a n_b / n`` times the lag moment
-        of ``delta`` (the batch mean less the state's) enters the first step's products as one
-        more field, ``sqrt(n_a n_b / n) delta``. The running state changes only at the end (a
+        products' workspace, whose products take the fields of a few steps at once. Chan et al.'s
+        between-group term ``n_a n_b / n`` times the lag moment of ``delta`` (the batch mean less
+        the state's) enters the last products as one more field, ``sqrt(n_a n_b / n) delta``.
+        The running state changes only at the end (a
         sketch store is fed every ``SKETCH_FEED_BYTES`` of band entries on the way).
         """
         assert self.band is not None and self.store is not None
@@ -415,7 +415,13 @@ class PODAccumulator:
         # the products in the moment dtype (float32 for float32 captures, see PODConfig.moment_dtype);
         # each step's products are added to the batch's moments in dt
         md = cfg.moment_dtype_for(x.dtype)
-        shear = LagShear(seq_len, shear_fields(step + 1, seq_len, md), md, dev)
+        # the products take whole steps' fields at once (as many as shear_fields allows), in a
+        # workspace of exactly that many slots, so that they read the loaded rows without a copy
+        # (:meth:`LagShear.load`); the between-group field goes last, into the last group's room
+        total_fields = n_b + (between is not None)
+        most = shear_fields(step + 1, seq_len, md)
+        slots = total_fields if total_fields <= most else step * max(1, most // step)
+        shear = LagShear(seq_len, slots, md, dev)
         m2b_back = scratch((seq_len, seq_len), dt, dev).zero_()
         m2b_fwd = None if causal else scratch((seq_len, seq_len), dt, dev).zero_()
         batch = {r.name: r.allocate(seq_len, causal, dt, dev) for r in STEPPED}  # this batch's contributions
@@ -459,11 +465,14 @@ class PODAccumulator:
             filled += stop - start
             # (rounded to md once; the products read the sheared copy, so part may be overwritten;
             # the fields of several steps enter the same products, which are faster when larger)
-            extra = between if start == 0 else None
-            if shear.loaded + (stop - start) + (extra is not None) > shear.batch:
+            if shear.loaded + (stop - start) > shear.batch:
                 _add_moments(shear, m2b_back, m2b_fwd)
-            shear.load(part, mean_b, extra=extra, scratch=None if centred is None else centred[:stop - start],
+            shear.load(part, mean_b, scratch=None if centred is None else centred[:stop - start],
                        blocks=blocks, at=shear.loaded)
+        if between is not None:  # Chan et al.'s between-group term, as one more field
+            if shear.loaded == shear.batch:
+                _add_moments(shear, m2b_back, m2b_fwd)
+            shear.load(between.unsqueeze(0), blocks=blocks, at=shear.loaded)
         _add_moments(shear, m2b_back, m2b_fwd)
         self._combine(n_b, mean_b, shear.finish(m2b_back, backward=True),
                       None if m2b_fwd is None else shear.finish(m2b_fwd, backward=False), between_added=True)

@@ -186,18 +186,17 @@ class LagShear:
         """Entries per row and field of the workspace: 2L - 1 lags and padding (see ``__init__``)."""
         return 2 * seq_len + 64 // dtype.itemsize
 
-    def load(self, fields: Tensor, subtract: Tensor | None = None, extra: Tensor | None = None,
-             scratch: Tensor | None = None, blocks: list[tuple[int, int]] | None = None,
-             at: int = 0) -> None:
+    def load(self, fields: Tensor, subtract: Tensor | None = None, scratch: Tensor | None = None,
+             blocks: list[tuple[int, int]] | None = None, at: int = 0) -> None:
         """Write (b', L, L) fields (minus an (L, L) field, e.g. the mean) into the buffer, from field
         slot ``at`` on (``at + b' <= b``); the moments then cover slots ``0 .. at + b' - 1``.
 
         ``at = 0`` replaces what was loaded; ``at = self.loaded`` appends, so that the fields of
         several small steps enter the same products (larger products are faster: at L = 1024 on 2
-        cores about 20 % per field for 4 fields against 1).
+        cores about 20 % per field for 4 fields against 1). The products read the loaded rows as
+        one matrix without a copy when every slot is loaded (``loaded == b``); otherwise they copy
+        them first.
 
-        ``extra``: one more (L, L) field written after them as it is (b' + 1 <= b), so that its
-        moment enters the same products (e.g. Chan et al.'s between-group term).
         ``scratch``: a (b', L, L) buffer (may be ``fields`` itself, which is then overwritten) for
         the difference in the dtype of the operands before its rounding to the buffer's dtype: the
         same values as one mixed-dtype subtraction, several times faster on CPU.
@@ -207,25 +206,22 @@ class LagShear:
         buffer are then left as they are (the backward moments never read them).
         """
         n, seq_len, width = fields.shape[0], self.seq_len, self.width
-        total = n + (extra is not None)
-        if not 0 <= at <= self.batch - total:
-            raise ValueError(f"LagShear holds at most {self.batch} fields, got {total} from slot {at}")
-        if at + total > self.zeroed:  # (slots are zeroed as they are first used: a batch of a few
-            self.buf[:, self.zeroed:at + total].zero_()  # fields does not zero the whole workspace)
-            self.zeroed = at + total
-        view = self.buf.as_strided((total, seq_len, seq_len), (width, self.batch * width - 1, 1),
+        if not 0 <= at <= self.batch - n:
+            raise ValueError(f"LagShear holds at most {self.batch} fields, got {n} from slot {at}")
+        if at + n > self.zeroed:  # (slots are zeroed as they are first used: a batch of a few
+            self.buf[:, self.zeroed:at + n].zero_()  # fields does not zero the whole workspace)
+            self.zeroed = at + n
+        view = self.buf.as_strided((n, seq_len, seq_len), (width, self.batch * width - 1, 1),
                                    self.buf.storage_offset() + seq_len - 1 + at * width)
         for r0, r1 in blocks if blocks is not None else [(0, seq_len)]:
-            into, given = view[:n, r0:r1, :r1], fields[:, r0:r1, :r1]
+            into, given = view[:, r0:r1, :r1], fields[:, r0:r1, :r1]
             if subtract is None:
                 into.copy_(given)
             elif scratch is not None and scratch.dtype != view.dtype:
                 into.copy_(torch.sub(given, subtract[r0:r1, :r1], out=scratch[:, r0:r1, :r1]))
             else:
                 torch.sub(given, subtract[r0:r1, :r1], out=into)
-        if extra is not None:
-            view[n].copy_(extra)
-        self.loaded = at + total
+        self.loaded = at + n
 
     def _rows(self, first: int, stop: int, cols: slice) -> Tensor:
         """Rows i in [first, stop) of the loaded fields, columns ``cols``, as one (rows, k) matrix."""
@@ -372,9 +368,9 @@ class LagBand:
         """The band entries of (b, L * L) flattened fields into ``out`` (b, P), in its dtype.
 
         A gather of one row runs on one thread (its rows are its unit of work), and at long
-        contexts an update hands over one field at a time: each row's entries are gathered as
-        ``GATHER_CHUNKS`` rows of a few thousand (the same values; at L = 1024 on 2 cores about
-        twice as fast).
+        contexts an update hands over one field at a time: a single field's entries are gathered
+        as ``GATHER_CHUNKS`` rows of a few thousand (the same values; at L = 1024 on 2 cores about
+        twice as fast). Several fields are gathered as they are (there the chunks were slower).
 
         Args:
             flat: (b, L * L) fields, rows flattened.
@@ -383,7 +379,7 @@ class LagBand:
         """
         index = self.flat_index.to(flat.device) if index is None else index
         n, size = flat.shape[0], index.numel()
-        chunks = max(1, min(GATHER_CHUNKS, size // 4096))
+        chunks = max(1, min(GATHER_CHUNKS, size // 4096)) if n == 1 else 1
         width = size // chunks
         main = chunks * width
         parts = [(0, main, chunks, width)] + ([(main, size, 1, size - main)] if main < size else [])

@@ -7,7 +7,7 @@ The bound: each step rounds its centred signals to float32 (relative error u = 2
 products in float32, so the moment of the batch differs from the exact one by at most
 ``(2 u + u**2 + gamma_K (1 + u)**2)`` times the moment of the absolute centred signals,
 ``gamma_K = K u / (1 - K u)`` (Higham, Accuracy and Stability of Numerical Algorithms, 3.1). The
-between-group field of Chan et al.'s combination enters the first step as one more signal.
+between-group field of Chan et al.'s combination enters the last products as one more signal.
 """
 
 from __future__ import annotations
