@@ -63,7 +63,7 @@ class LayerReduction:
             torch.tensor(list(heads), dtype=torch.long, device=device)
         self.rows_done = 0  # rows added (of B * T), a check that every row came
 
-    def add(self, seqs: slice, r0: int, block: Tensor) -> None:
+    def add(self, seqs: slice, r0: int, block: Tensor, centred: Tensor | None = None) -> None:
         """Add the rows ``[r0, r0 + rows)`` of the sequences ``seqs``, every head.
 
         Args:
@@ -71,11 +71,14 @@ class LayerReduction:
             r0: the first row.
             block: (b, H, rows, k) probabilities of the keys ``[0, k)``; every key right of ``k``
                 is +0. Converted to float32 (as the maps path stores them).
+            centred: (b, H, rows, k), when ``block`` is ``softmax(centred)``: the scores less their
+                row maximum, finite at masked keys (the entropy then takes no logarithm per
+                entry: :func:`~podmonitor.engine.stability.softmax_plogp_rows`).
         """
         block = block.float()
         b, rows, k = block.shape[0], block.shape[-2], block.shape[-1]
         t = self.shape[-1]
-        self.rows.add(seqs, slice(None), r0, block)
+        self.rows.add(seqs, slice(None), r0, block, centred=None if centred is None else centred.float())
         heads = block if self._heads is None else block.index_select(1, self._heads)
         torch.mean(heads, dim=1, out=self.average[seqs, r0:r0 + rows, :k])
         if k < t:

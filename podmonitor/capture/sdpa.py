@@ -308,18 +308,29 @@ def _recompute_causal(qs: Tensor, kt: Tensor, vw: Tensor, out: Tensor, v_scale: 
         rows_per = max(1, min(t, CAUSAL_BLOCK_ROWS, chunk_bytes // (h * t * elsize)))
         heads_per = h
     buffer = torch.empty(heads_per * rows_per * t, dtype=work, device=qs.device)  # one block's scores, reused
+    # a reduction reads the probabilities and the centred scores they came from (its entropy
+    # needs no logarithm per entry, LayerReduction.add): the probabilities go to a second buffer,
+    # and the masked keys hold a finite score (their probability is +0 all the same)
+    prob_buffer = None if layer is None else torch.empty_like(buffer)
+    masked = -math.inf if layer is None else torch.finfo(work).min / 2
     upper = torch.ones(rows_per, rows_per, dtype=torch.bool, device=qs.device).triu(1)  # j > i in a square
     errors = torch.zeros((), dtype=work, device=qs.device)
     for bi, h0, h1, r0, r1 in _chunks(b, h, t, heads_per, rows_per):
         scores = buffer[: (h1 - h0) * (r1 - r0) * r1].view(h1 - h0, r1 - r0, r1)
         torch.matmul(qs[bi, h0:h1, r0:r1], kt[bi, h0:h1, :, :r1], out=scores)  # (h, c, r1)
-        scores[..., r0:r1].masked_fill_(upper[: r1 - r0, : r1 - r0], -math.inf)
-        lm = scores.amax(dim=(-2, -1)).float()  # (h,): over visible keys
-        logit_max[bi, h0:h1] = torch.maximum(logit_max[bi, h0:h1], lm)
-        a = torch.softmax(scores, dim=-1, out=scores)
+        scores[..., r0:r1].masked_fill_(upper[: r1 - r0, : r1 - r0], masked)
         if layer is not None:
-            layer.add(slice(bi, bi + 1), r0, a[None])
+            row_max = scores.amax(dim=-1, keepdim=True)  # (h, c, 1): over visible keys
+            lm = row_max.amax(dim=(-2, -1)).float()
+            # less the row maximum first: softmax subtracts the same value, so the same bits
+            centred = scores.sub_(row_max)
+            a = torch.softmax(centred, dim=-1, out=prob_buffer[: centred.numel()].view(centred.shape))
+            layer.add(slice(bi, bi + 1), r0, a[None], centred=centred[None])
         else:
+            lm = scores.amax(dim=(-2, -1)).float()  # (h,): over visible keys
+            a = torch.softmax(scores, dim=-1, out=scores)
+        logit_max[bi, h0:h1] = torch.maximum(logit_max[bi, h0:h1], lm)
+        if layer is None:
             assert probs is not None
             probs[bi, h0:h1, r0:r1, :r1].copy_(a)
             probs[bi, h0:h1, r0:r1, r1:].zero_()

@@ -88,7 +88,7 @@ class StabilitySums:
         row_max_peak: (B, H) float32, the largest of those row maxima (-inf without such rows).
         sink: (B, H) float64, sum of A[i, 0] over the queries i >= 1.
         check: (B,) float64, finite exactly when every entry of the sequence is (a sum that every
-            entry enters, through ``p log p`` or directly).
+            entry enters, through ``p log p`` (or ``p c``, :func:`softmax_plogp_rows`) or directly).
         causal: whether row i has i + 1 visible keys (else T).
         seq_len: T.
     """
@@ -106,6 +106,27 @@ class StabilitySums:
         pick = [x.index_select(0, index.to(x.device)) for x in
                 (self.entropy, self.row_max_sum, self.row_max_peak, self.sink, self.check)]
         return StabilitySums(*pick, causal=self.causal, seq_len=self.seq_len)
+
+
+def softmax_plogp_rows(probs: Tensor, centred: Tensor, row_max: Tensor) -> Tensor:
+    """``sum_j p_j log p_j`` of each row of probabilities formed as ``p = softmax(c)``, from the
+    argument ``c`` of the softmax instead of a logarithm per entry.
+
+    With ``c`` the scores less their row maximum (so ``max_j c_j = 0``) and ``Z = sum_j exp(c_j)``,
+    ``log p_j = c_j - log Z`` and the largest probability is ``1 / Z``, hence
+    ``sum_j p_j log p_j = sum_j p_j c_j + log max_j p_j``: one dot product per row (about a sixth
+    of the time of ``p log p`` and its sum on CPU). Centring keeps the terms ``p_j c_j`` small
+    where logits are large. Keys masked out must hold a finite ``c`` (their ``p`` is 0).
+
+    Args:
+        probs: (..., k) float32 probabilities ``softmax(centred)``.
+        centred: (..., k) float32 scores less their row maximum.
+        row_max: (...) ``probs.amax(-1)``.
+
+    Returns:
+        (...) float64, ``sum_j p_j log p_j`` (within a few float32 roundings of each term).
+    """
+    return torch.linalg.vecdot(probs, centred).double() + row_max.double().log()
 
 
 class StabilityRows:
@@ -132,7 +153,8 @@ class StabilityRows:
                       else torch.full((t,), math.log(max(t, 1)), device=device, dtype=torch.float64))
         self.work: Tensor | None = None  # float32 scratch for p log p, reused (grown as needed)
 
-    def add(self, seqs: slice, heads: slice, r0: int, block: Tensor, rest: Tensor | None = None) -> None:
+    def add(self, seqs: slice, heads: slice, r0: int, block: Tensor, rest: Tensor | None = None,
+            centred: Tensor | None = None) -> None:
         """Add the rows ``[r0, r0 + rows)`` of the sequences ``seqs`` and heads ``heads``.
 
         Args:
@@ -141,6 +163,10 @@ class StabilityRows:
             block: (b, h, rows, k) float32 probabilities of the keys ``[0, k)``; every key right of
                 ``k`` holds +0 unless given in ``rest``. Each row, sequence and head is added once.
             rest: (b, h, rows, T - k) float32, the keys right of ``k`` when they are not all +0.
+            centred: (b, h, rows, k) float32, where the capture formed ``block`` as
+                ``softmax(centred)``: the scores less their row maximum (0 at the maximum, finite
+                at masked keys, whose probability is 0). The entropy then needs no logarithm per
+                entry (:func:`softmax_plogp_rows`). Not with ``rest``.
         """
         rows = block.shape[-2]
         if r0 < 1 <= r0 + rows and block.shape[-1] > 0:  # sink mass: A[i, 0] over the queries i >= 1
@@ -151,13 +177,20 @@ class StabilityRows:
         if skip:
             self.add_head_rows(seqs, block[..., :skip, :], rest=None if rest is None else rest[..., :skip, :])
             block, rest = block[..., skip:, :], (None if rest is None else rest[..., skip:, :])
+            centred = None if centred is None else centred[..., skip:, :]
             r0, rows = r0 + skip, rows - skip
         if rows <= 0:
             return
-        work = self._work(block.numel(), block.device)
-        plogp = plogp_(block, work[:block.numel()].view(block.shape))
-        row_h = plogp.sum(dim=-1)  # (b, h, rows) float32: sum_j p log p
-        row_max = block.amax(dim=-1) if block.shape[-1] else torch.zeros_like(row_h)
+        if centred is not None:
+            if rest is not None:
+                raise ValueError("centred scores describe the whole row: not with rest")
+            row_max = block.amax(dim=-1)
+            row_h = softmax_plogp_rows(block, centred, row_max)  # (b, h, rows) float64
+        else:
+            work = self._work(block.numel(), block.device)
+            plogp = plogp_(block, work[:block.numel()].view(block.shape))
+            row_h = plogp.sum(dim=-1)  # (b, h, rows) float32: sum_j p log p
+            row_max = block.amax(dim=-1) if block.shape[-1] else torch.zeros_like(row_h)
         if rest is not None and rest.shape[-1]:  # keys right of k that are not all zero
             row_h += plogp_(rest, torch.empty_like(rest)).sum(dim=-1)
             row_max = torch.maximum(row_max, rest.amax(dim=-1))

@@ -280,6 +280,11 @@ def _causal_attention_blocked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor 
     probs = None if reduction is not None else hugepages.empty((*lead, T, T), q.dtype, q.device)
     layer = None  # the reduction's layer, once a block is formed (out= may be refused before)
     work = hugepages.scratch((lead.numel() * min(T, MASK_ROWS) * T,), q.dtype, q.device)
+    # a reduction reads the probabilities and the centred scores they came from (its entropy
+    # needs no logarithm per entry, LayerReduction.add): the probabilities go to a second buffer,
+    # and the masked keys hold a finite score (their probability is +0 all the same)
+    probs_work = None if reduction is None else hugepages.scratch(work.shape, q.dtype, q.device)
+    masked = float("-inf") if reduction is None else torch.finfo(q.dtype).min / 2
     upper = _above_diagonal(min(T, MASK_ROWS), q.device)
     # the rows of a block in parts of at most SUB_BLOCK_BYTES of scores, so that each part's passes
     # (scores, softmax, reduction, output) run in cache (at 2 x 12 heads and L = 1024 a block of
@@ -297,13 +302,16 @@ def _causal_attention_blocked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor 
             seen.mul_(scale)
             if log_g is not None:
                 seen.add_(log_g[..., :r1] if log_g.size(-2) == 1 else log_g[..., s0:s1, :r1])
-            seen[..., r0:r1].masked_fill_(upper[s0 - r0: s1 - r0, : r1 - r0], float("-inf"))
-            torch.softmax(seen, dim=-1, out=seen)
+            seen[..., r0:r1].masked_fill_(upper[s0 - r0: s1 - r0, : r1 - r0], masked)
             if reduction is not None:
+                # less the row maximum first: softmax subtracts the same value, so the same bits
+                centred = seen.sub_(seen.amax(dim=-1, keepdim=True))
+                seen = torch.softmax(centred, dim=-1, out=probs_work[: centred.numel()].view(centred.shape))
                 if layer is None:
                     layer = reduction.layer(lead[0], lead[1], T, True, q.device)
-                layer.add(slice(None), s0, seen)  # head average and stability sums, while in cache
+                layer.add(slice(None), s0, seen, centred=centred)  # head average and stability sums, in cache
             else:
+                torch.softmax(seen, dim=-1, out=seen)
                 probs[..., s0:s1, :r1].copy_(seen)
                 probs[..., s0:s1, r1:].zero_()
             if v is not None:

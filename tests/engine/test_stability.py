@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from podmonitor.engine.lags import plogp_
-from podmonitor.engine.stability import StabilityAccumulator
+from podmonitor.engine.stability import StabilityAccumulator, StabilityRows
 
 
 def random_fields(b: int, h: int, t: int, causal: bool, seed: int = 0, sharp: float = 2.0) -> torch.Tensor:
@@ -316,6 +316,48 @@ def test_plogp_matches_float64_p_log_p_and_is_zero_at_zero() -> None:
     assert torch.all(got[0, 0, :7] == 0)
     assert (got - want).abs().max() < 4 * torch.finfo(torch.float32).eps * want.abs().clamp_min(1e-30).max()
     assert torch.allclose(got.sum(-1), want.sum(-1), rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("sharpness", [0.1, 3.0, 40.0, 2000.0])
+def test_entropy_from_the_centred_scores_equals_the_literal_formula(sharpness) -> None:
+    """A capture that forms ``p = softmax(c)`` hands its centred scores (masked keys finite): the
+    entropy, from ``sum_j p_j c_j + log max_j p_j`` without a logarithm per entry, equals the
+    literal -sum p log p of the same float32 probabilities in float64, from near-uniform rows to
+    one-hot ones (logits in the thousands, where sum_j p_j s_j - logsumexp(s) would lose every digit
+    in float32), and the other signals are those of the probabilities alone."""
+    b, h, t = 2, 3, 40
+    g = torch.Generator().manual_seed(int(sharpness * 10))
+    scores = torch.randn(b, h, t, t, generator=g) * sharpness + 500.0  # large uncentred logits
+    above = torch.ones(t, t, dtype=torch.bool).triu(1)
+    scores.masked_fill_(above, torch.finfo(torch.float32).min / 2)  # as the captures mask
+    centred = scores - scores.amax(dim=-1, keepdim=True)
+    probs = torch.softmax(centred, dim=-1)
+    assert torch.all(probs[..., above] == 0)
+    rows_fast, rows_log = (StabilityRows(b, h, t, True, torch.device("cpu")) for _ in range(2))
+    for r0 in range(0, t, 16):  # in row blocks, as the captures hand them
+        r1 = min(t, r0 + 16)
+        rows_fast.add(slice(None), slice(None), r0, probs[..., r0:r1, :r1], centred=centred[..., r0:r1, :r1])
+        rows_log.add(slice(None), slice(None), r0, probs[..., r0:r1, :r1])
+    ref = literal(probs.numpy(), None, True)
+    acc = StabilityAccumulator()
+    acc.add_sums(rows_fast.sums())
+    got = acc.compute().to_dict()
+    np.testing.assert_allclose(got["entropy"], ref["entropy"], rtol=1e-6, atol=1e-7)
+    assert got["mean_row_max"] == pytest.approx(ref["row_max"], rel=1e-6)
+    assert got["sink_mass"] == pytest.approx(ref["sink"], rel=1e-6)
+    fast, slow = rows_fast.sums(), rows_log.sums()
+    assert torch.equal(fast.row_max_sum, slow.row_max_sum) and torch.equal(fast.sink, slow.sink)
+    assert torch.isfinite(fast.check).all()
+
+
+def test_entropy_from_centred_scores_flags_a_sequence_with_nan() -> None:
+    """A NaN score makes its sequence's check non-finite (the monitor skips it), as on the log path."""
+    scores = torch.randn(2, 2, 8, 8, generator=torch.Generator().manual_seed(0))
+    scores[1, 0, 5, 2] = math.nan
+    centred = scores - scores.amax(dim=-1, keepdim=True)
+    rows = StabilityRows(2, 2, 8, False, torch.device("cpu"))
+    rows.add(slice(None), slice(None), 0, torch.softmax(centred, dim=-1), centred=centred)
+    assert torch.isfinite(rows.sums().check).tolist() == [True, False]
 
 
 def test_the_zeros_promise_skips_the_check_and_changes_nothing_when_kept(monkeypatch) -> None:
