@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..hugepages import scratch
 from .lags import max_above_diagonal, plogp_
 
 _STATE_VERSION = 1
@@ -108,7 +109,7 @@ class StabilitySums:
         return StabilitySums(*pick, causal=self.causal, seq_len=self.seq_len)
 
 
-def softmax_plogp_rows(probs: Tensor, centred: Tensor, row_max: Tensor) -> Tensor:
+def softmax_plogp_rows(probs: Tensor, centred: Tensor, row_max: Tensor, work: Tensor | None = None) -> Tensor:
     """``sum_j p_j log p_j`` of each row of probabilities formed as ``p = softmax(c)``, from the
     argument ``c`` of the softmax instead of a logarithm per entry.
 
@@ -122,11 +123,14 @@ def softmax_plogp_rows(probs: Tensor, centred: Tensor, row_max: Tensor) -> Tenso
         probs: (..., k) float32 probabilities ``softmax(centred)``.
         centred: (..., k) float32 scores less their row maximum.
         row_max: (...) ``probs.amax(-1)``.
+        work: optional float32 buffer of at least ``probs.numel()`` elements for the products
+            (a reused one saves faulting in a fresh temporary as large as the block).
 
     Returns:
         (...) float64, ``sum_j p_j log p_j`` (within a few float32 roundings of each term).
     """
-    return torch.linalg.vecdot(probs, centred).double() + row_max.double().log()
+    products = torch.mul(probs, centred, out=None if work is None else work[:probs.numel()].view(probs.shape))
+    return products.sum(dim=-1).double() + row_max.double().log()
 
 
 class StabilityRows:
@@ -185,9 +189,9 @@ class StabilityRows:
             if rest is not None:
                 raise ValueError("centred scores describe the whole row: not with rest")
             row_max = block.amax(dim=-1)
-            row_h = softmax_plogp_rows(block, centred, row_max)  # (b, h, rows) float64
+            row_h = softmax_plogp_rows(block, centred, row_max, self._work(block))  # (b, h, rows) float64
         else:
-            work = self._work(block.numel(), block.device)
+            work = self._work(block)
             plogp = plogp_(block, work[:block.numel()].view(block.shape))
             row_h = plogp.sum(dim=-1)  # (b, h, rows) float32: sum_j p log p
             row_max = block.amax(dim=-1) if block.shape[-1] else torch.zeros_like(row_h)
@@ -210,9 +214,14 @@ class StabilityRows:
             total = total + rest.reshape(total.shape[0], -1).sum(dim=-1, dtype=torch.float64)
         self.check[seqs] += total
 
-    def _work(self, numel: int, device: torch.device) -> Tensor:
-        if self.work is None or self.work.numel() < numel or self.work.device != device:
-            self.work = torch.empty(numel, dtype=torch.float32, device=device)
+    def _work(self, block: Tensor) -> Tensor:
+        """A float32 buffer for the entry-wise temporaries of ``block`` (..., k), reused: made for
+        the block's rows at the full width T, so that the widening blocks of a causal capture
+        (k = r1) take the same one (from the buffer pool while the monitor captures)."""
+        numel = block.numel()
+        if self.work is None or self.work.numel() < numel or self.work.device != block.device:
+            rows = numel // block.shape[-1] if block.shape[-1] else 0
+            self.work = scratch((max(numel, rows * self.t),), torch.float32, block.device)
         return self.work
 
     def sums(self) -> StabilitySums:
