@@ -256,12 +256,39 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     return att, _causal_product(att if dropout is None else dropout(att), v)
 
 
+def _attend(att: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """att @ v, taken as (v^T att^T)^T: att (..., rows, keys), v (..., keys, hs) -> (..., rows, hs)
+    (a transposed view).
+
+    Both causal paths take their outputs through it, so that they agree bit for bit. On CPU the
+    product with the head size as the short side of the result runs 3x to 4x faster at head
+    size 8 (24 x 64 x 768 probabilities: 166 us against 696 us on 2 cores) and within noise, with
+    the same bits, at head sizes 16 to 64."""
+    return (v.transpose(-2, -1) @ att.transpose(-2, -1)).transpose(-2, -1)
+
+
+def _part_rows(lead: int, T: int, element_size: int) -> int:
+    """Rows per part of a :data:`MASK_ROWS`-row block for ``lead`` (B * nh) rows of ``T`` scores:
+    at most :data:`SUB_BLOCK_BYTES` of scores, a power of two (the parts of a block are equal), at
+    least :data:`MIN_SUB_ROWS`."""
+    fit = SUB_BLOCK_BYTES // max(1, lead * T * element_size)
+    return MASK_ROWS if fit >= MASK_ROWS else max(MIN_SUB_ROWS, 1 << max(0, fit.bit_length() - 1))
+
+
+def _parts(T: int, rows_per: int) -> list[tuple[int, int, int]]:
+    """``(s0, s1, r1)``: the rows ``[s0, s1)`` of each block of :func:`_row_blocks` in parts of
+    ``rows_per``, with ``r1`` the end of their block (the keys they see)."""
+    return [(s0, min(r1, s0 + rows_per), r1) for r0, r1 in _row_blocks(T) for s0 in range(r0, r1, rows_per)]
+
+
 def _causal_product(att: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """att @ v for causal probabilities, by blocks of :data:`MASK_ROWS` query rows over the keys
-    they can see (the keys right of a block hold zeros and add nothing): att (B, nh, T, T),
-    v (B, nh, T, hs) -> (B, nh, T, hs)."""
+    """att @ v for causal probabilities over the keys each row can see (the keys right of a block
+    hold zeros and add nothing), in the parts of rows of :func:`_causal_attention_blocked`
+    (:func:`_parts`), so that both give the same bits: att (B, nh, T, T), v (B, nh, T, hs) ->
+    (B, nh, T, hs)."""
     T = att.size(-1)
-    return torch.cat([att[..., r0:r1, :r1] @ v[..., :r1, :] for r0, r1 in _row_blocks(T)], dim=-2)
+    rows_per = _part_rows(att.shape[:-2].numel(), T, att.element_size())
+    return torch.cat([_attend(att[..., s0:s1, :r1], v[..., :r1, :]) for s0, s1, r1 in _parts(T, rows_per)], dim=-2)
 
 
 def _causal_attention_blocked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, scale: float,
@@ -290,9 +317,8 @@ def _causal_attention_blocked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor 
     # (scores, softmax, reduction, output) run in cache (at 2 x 12 heads and L = 1024 a block of
     # 128 rows holds 12 MiB); a part's rows see the keys of their block, as the block's own rows
     # (a power of two, so that the parts of a block are equal: the products of a few rows may round
-    # differently from those of many)
-    fit = SUB_BLOCK_BYTES // max(1, lead.numel() * T * q.element_size())
-    rows_per = MASK_ROWS if fit >= MASK_ROWS else max(MIN_SUB_ROWS, 1 << max(0, fit.bit_length() - 1))
+    # differently from those of many; _causal_product takes the same parts, _parts)
+    rows_per = _part_rows(lead.numel(), T, q.element_size())
     outputs = []
     for r0, r1 in _row_blocks(T):
         for s0 in range(r0, r1, rows_per):
@@ -315,7 +341,7 @@ def _causal_attention_blocked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor 
                 probs[..., s0:s1, :r1].copy_(seen)
                 probs[..., s0:s1, r1:].zero_()
             if v is not None:
-                outputs.append(seen @ v[..., :r1, :])  # (B, nh, rows, hs), rows of _causal_product's block
+                outputs.append(_attend(seen, v[..., :r1, :]))  # (B, nh, rows, hs), rows of _causal_product's block
     return probs, (torch.cat(outputs, dim=-2) if v is not None else None)
 
 
