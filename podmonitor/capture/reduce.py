@@ -14,7 +14,10 @@ as before, and the monitor reduces those itself.
 The numbers are those of the maps path: the head average is ``torch.mean`` over the heads of each
 block (the same bits as over the whole maps), the stability sums are the same per-row sums
 (:class:`~podmonitor.engine.stability.StabilityRows`; float rounding of a row's sum may differ in
-the last bit between block widths).
+the last bit between block widths). A capture that forms the probabilities as a softmax also hands
+over the centred scores, and the row entropies come from them without a logarithm per entry
+(:func:`~podmonitor.engine.stability.softmax_plogp_rows`: within float32 rounding of the maps
+path's ``p log p``).
 
 Example::
 
