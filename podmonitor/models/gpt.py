@@ -256,14 +256,19 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     return att, _causal_product(att if dropout is None else dropout(att), v)
 
 
-def _attend(att: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """att @ v, taken as (v^T att^T)^T: att (..., rows, keys), v (..., keys, hs) -> (..., rows, hs)
-    (a transposed view).
+#: head sizes below this take the product of probabilities and values turned around (:func:`_attend`)
+TURN_BELOW_HEAD_SIZE = 16
 
-    Both causal paths take their outputs through it, so that they agree bit for bit. On CPU the
-    product with the head size as the short side of the result runs 3x to 4x faster at head
-    size 8 (24 x 64 x 768 probabilities: 166 us against 696 us on 2 cores) and within noise, with
-    the same bits, at head sizes 16 to 64."""
+
+def _attend(att: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """att @ v: att (..., rows, keys), v (..., keys, hs) -> (..., rows, hs).
+
+    Both causal paths take their outputs through it, so that they agree bit for bit. Below a head
+    size of :data:`TURN_BELOW_HEAD_SIZE` it is taken as (v^T att^T)^T (a transposed view): on CPU
+    about 3x to 4x faster at head size 8, and 0.92x to 0.98x as fast (the same bits) at head sizes
+    16 to 64 (``benchmarks/bench_attend.py``)."""
+    if v.size(-1) >= TURN_BELOW_HEAD_SIZE:
+        return att @ v
     return (v.transpose(-2, -1) @ att.transpose(-2, -1)).transpose(-2, -1)
 
 
