@@ -322,7 +322,7 @@ class PODMonitor(MonitorCallback):
 
     # ----------------------------------------------------------------- hooks
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        self._setup_run_dir(trainer)  # a collective (trainer.log_dir): here, on every rank
+        self._setup_shell(trainer)  # a collective (trainer.log_dir): here, on every rank
         self._stage = str(getattr(stage, "value", stage))  # "fit", "validate", ...
         try:
             self._adapter = select_adapter(pl_module, self.capture)

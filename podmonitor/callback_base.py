@@ -10,6 +10,9 @@
   one that ran, so rank zero hands its ``state_dict()`` over through a file in the temporary
   folder at teardown, as Lightning does for the model's weights, and the main process loads it on
   first access of ``history``;
+- in a distributed run on gloo, the process group is destroyed at interpreter exit (see
+  :func:`~podmonitor.distributed.destroy_gloo_group_at_exit`: otherwise a rank can abort after
+  a finished fit);
 - errors become one warning (or are re-raised with ``strict=True``).
 """
 
@@ -26,14 +29,14 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback, Trainer
 
-from .distributed import global_rank, resolve_run_dir, world_size
+from .distributed import destroy_gloo_group_at_exit, global_rank, resolve_run_dir, world_size
 
 
 class MonitorCallback(Callback):
     """Base of podmonitor's callbacks (see the module docstring).
 
     Subclasses set ``output_dir``, ``strict`` and ``warning_class`` and implement
-    ``state_dict`` / ``load_state_dict``; they call :meth:`_setup_run_dir` from ``setup``.
+    ``state_dict`` / ``load_state_dict``; they call :meth:`_setup_shell` first in ``setup``.
     """
 
     warning_class: type[Warning] = UserWarning
@@ -85,6 +88,14 @@ class MonitorCallback(Callback):
     def _load_handoff(self, state: dict[str, Any]) -> None:
         """Take the state rank zero handed over (default: ``load_state_dict``)."""
         self.load_state_dict(state)
+
+    # ------------------------------------------------------------------ setup
+    def _setup_shell(self, trainer: Trainer) -> None:
+        """What every callback does first in ``setup``, on every rank: the run directory (a
+        collective) and, in a distributed run on gloo, the process group's release at exit
+        (:func:`~podmonitor.distributed.destroy_gloo_group_at_exit`)."""
+        self._setup_run_dir(trainer)
+        destroy_gloo_group_at_exit(trainer)
 
     # ------------------------------------------------------------------ run dir
     def _setup_run_dir(self, trainer: Trainer) -> None:

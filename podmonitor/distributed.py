@@ -25,6 +25,8 @@ Where the collectives are:
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -89,6 +91,37 @@ def broadcast_object(trainer: Any, obj: Any, src: int = 0) -> Any:
     return trainer.strategy.broadcast(obj, src=src)
 
 
+#: whether this process has registered :func:`_destroy_gloo_group` with ``atexit``
+_EXIT_HANDLER_REGISTERED: list[bool] = []
+
+
+def destroy_gloo_group_at_exit(trainer: Any) -> None:
+    """In a distributed run, have this process destroy the default process group at interpreter
+    exit when it runs on gloo (registered once per process; not a collective).
+
+    Why: Lightning destroys the process group at exit for NCCL only. A gloo group left alive keeps
+    its worker threads into interpreter finalisation, and a worker that drops the last reference to
+    a finished collective whose tensors Python created (Lightning's ``reduce_boolean_decision``
+    before a checkpoint, for example) then needs the GIL that finalisation no longer hands out:
+    the thread exits inside a destructor and the process aborts ("terminate called without an
+    active exception", SIGABRT) after a finished fit, and ``ddp_spawn`` raises
+    ``ProcessExitedException`` in the main process. Destroying the group in an ``atexit`` handler,
+    while Python is still whole, joins those threads first (torch releases the GIL while it does).
+    """
+    if _EXIT_HANDLER_REGISTERED or not is_distributed(trainer):
+        return
+    _EXIT_HANDLER_REGISTERED.append(True)
+    atexit.register(_destroy_gloo_group)
+
+
+def _destroy_gloo_group() -> None:
+    """The exit handler of :func:`destroy_gloo_group_at_exit`; never raises."""
+    dist = torch.distributed
+    with contextlib.suppress(Exception):
+        if dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
+            dist.destroy_process_group()
+
+
 def all_ranks_true(trainer: Any, flag: bool) -> bool:
     """True when ``flag`` holds on every rank. Collective."""
     if world_size(trainer) <= 1:
@@ -131,6 +164,7 @@ __all__ = [
     "all_gather_object",
     "all_ranks_true",
     "broadcast_object",
+    "destroy_gloo_group_at_exit",
     "global_rank",
     "is_distributed",
     "resolve_run_dir",

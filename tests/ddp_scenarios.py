@@ -8,6 +8,7 @@ checkpointing, the logger given (TensorBoard or none).
 
 from __future__ import annotations
 
+import atexit
 import glob
 import json
 import os
@@ -68,7 +69,40 @@ def make_model(kind: str) -> L.LightningModule:
     return reference_model() if kind == "ref" else HFGPT2Module()
 
 
+class ExitProbe(L.Callback):
+    """Observer, first in the callback list: in ``setup`` each rank registers an ``atexit`` handler
+    that writes ``exit_probe_rank<r>.json`` into ``tmp``: whether the process group was still
+    initialised when it ran. Handlers run last-registered first, so it runs after the exit
+    handler podmonitor's callbacks register in their ``setup`` (called after this one's)."""
+
+    registered = False
+
+    def __init__(self, tmp: str) -> None:
+        self.tmp = tmp
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if trainer.world_size > 1 and not ExitProbe.registered:
+            ExitProbe.registered = True
+            atexit.register(_write_exit_probe, self.tmp, trainer.global_rank)
+
+
+def _write_exit_probe(tmp: str, rank: int) -> None:
+    with open(os.path.join(tmp, f"exit_probe_rank{rank}.json"), "w") as f:
+        json.dump({"rank": rank, "initialized": torch.distributed.is_initialized()}, f)
+
+
+def exit_probes(tmp: str) -> list[dict[str, Any]]:
+    """What each rank's :class:`ExitProbe` wrote (the ranks have exited when ``fit`` returns)."""
+    out = []
+    for p in sorted(glob.glob(os.path.join(tmp, "exit_probe_rank*.json"))):
+        with open(p) as f:
+            out.append(json.load(f))
+    return out
+
+
 def trainer(tmp: str, callbacks: list, logger: str, devices: int = 2, **kw: Any) -> L.Trainer:
+    if devices > 1:
+        callbacks = [ExitProbe(tmp), *callbacks]
     args: dict[str, Any] = dict(max_epochs=1, accelerator="cpu", devices=devices, callbacks=callbacks,
                                 logger=TensorBoardLogger(tmp, name="tb") if logger == "tb" else False,
                                 default_root_dir=tmp, enable_progress_bar=False, enable_model_summary=False,
@@ -104,7 +138,8 @@ def tensorboard_tags(tmp: str) -> list[str]:
 
 
 def _result(tmp: str, main_history: list, jsonl: str) -> dict[str, Any]:
-    return {"records": records(tmp, jsonl), "main_history": main_history, "tags": tensorboard_tags(tmp)}
+    return {"records": records(tmp, jsonl), "main_history": main_history, "tags": tensorboard_tags(tmp),
+            "exit_probes": exit_probes(tmp)}
 
 
 def pod(tmp: str, kind: str, logger: str) -> dict[str, Any]:

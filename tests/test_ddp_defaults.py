@@ -31,6 +31,14 @@ def _reports(records):
     return [r for r in records if r.get("kind") == "report"]
 
 
+def _assert_group_destroyed_at_exit(res):
+    """Each rank's process group was destroyed by podmonitor's exit handler before interpreter
+    finalisation (a gloo group left alive can abort a rank at exit; see
+    podmonitor.distributed.destroy_gloo_group_at_exit)."""
+    assert sorted(p["rank"] for p in res["exit_probes"]) == [0, 1]
+    assert not any(p["initialized"] for p in res["exit_probes"])
+
+
 def _close(a, b, rel=1e-9):
     if a is None or b is None:
         return a is b
@@ -65,6 +73,7 @@ def test_ddp_podmonitor_defaults_finish_take_n_and_match_one_process(tmp_path, m
     assert len(res["main_history"]) == 1 and res["main_history"][0]["step"] == rec["step"]
     if logger == "tb":
         assert "pod/headline/t_spec" in res["tags"]  # the layers are runs of their own
+    _assert_group_destroyed_at_exit(res)
 
 
 @pytest.mark.parametrize(("model", "logger"), [("ref", "tb"), ("hf", "none")])
@@ -78,6 +87,7 @@ def test_ddp_smoothness_monitor_defaults_finish_and_write(tmp_path, model, logge
     assert len(res["main_history"]) == 1
     if logger == "tb":
         assert any(t.startswith("smooth/") for t in res["tags"])
+    _assert_group_destroyed_at_exit(res)
 
 
 @pytest.mark.parametrize(("model", "logger"), [("ref", "none"), ("hf", "tb")])
@@ -90,6 +100,7 @@ def test_ddp_head_pruning_defaults_finish_and_record(tmp_path, model, logger):
     assert pod["n_taken"] == 150
     if logger == "tb":
         assert "pod/pruning/n_pruned" in res["tags"]
+    _assert_group_destroyed_at_exit(res)
 
 
 def test_ddp_quota_rebalanced_when_one_rank_has_only_padded_sequences(tmp_path):

@@ -432,7 +432,7 @@ class HeadPruning(MonitorCallback):
 
     # ------------------------------------------------------------------ hooks
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        self._setup_run_dir(trainer)  # a collective: here, on every rank
+        self._setup_shell(trainer)  # a collective: here, on every rank
         try:
             self.masker = HeadMasker(pl_module)
         except Exception as err:  # noqa: BLE001

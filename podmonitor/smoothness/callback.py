@@ -184,7 +184,7 @@ class SmoothnessMonitor(MonitorCallback):
 
     # ----------------------------------------------------------------- hooks
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        self._setup_run_dir(trainer)  # a collective (trainer.log_dir): here, on every rank
+        self._setup_shell(trainer)  # a collective (trainer.log_dir): here, on every rank
         try:
             self._sublayers = find_attention_sublayers(pl_module, self.modules)
             if not self._sublayers:
