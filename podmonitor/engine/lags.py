@@ -413,31 +413,48 @@ class LagBand:
 
     @staticmethod
     def build(seq_len: int, n_lags: int, causal: bool) -> LagBand:
-        n_lags = max(1, min(int(n_lags), seq_len))
-        rows, cols, lags, offsets = [], [], [], [0]
-        for tau in range(n_lags):
-            i = torch.arange(tau, seq_len)
-            rows.append(i)
-            cols.append(i - tau)
-            lags.append(torch.full_like(i, tau))
-            if not causal and tau > 0:
-                i = torch.arange(0, seq_len - tau)
-                rows.append(i)
-                cols.append(i + tau)
-                lags.append(torch.full_like(i, -tau))
-            offsets.append(offsets[-1] + (seq_len - tau) * (1 if causal or tau == 0 else 2))
-        r = torch.cat(rows)
-        c = torch.cat(cols)
-        return LagBand(
-            seq_len=seq_len,
-            n_lags=n_lags,
-            causal=causal,
-            flat_index=r * seq_len + c,
-            rows=r,
-            cols=c,
-            lag=torch.cat(lags),
-            offsets=torch.tensor(offsets, dtype=torch.int64),
-        )
+        """The band of lags ``0 .. n_lags - 1`` (clamped to [1, L]) of an (L, L) field.
+
+        Built once per layout and shared by every accumulator of that layout (:func:`_build_band`,
+        cached): its tensors are read-only.
+        """
+        return _build_band(seq_len, max(1, min(int(n_lags), seq_len)), bool(causal))
+
+
+@lru_cache(maxsize=4)
+def _build_band(seq_len: int, n_lags: int, causal: bool) -> LagBand:
+    """:meth:`LagBand.build` without a Python loop over the lags.
+
+    The entries come in segments, in order: lag 0; then for each lag tau >= 1 the backward
+    entries ``(i, i - tau)``, i = tau .. L - 1, and (bidirectional fields) the forward entries
+    ``(i, i + tau)``, i = 0 .. L - 1 - tau. Entry k of a segment of lag tau is row ``k + tau``,
+    column ``k`` (backward) or row ``k``, column ``k + tau`` (forward).
+    """
+    taus = torch.arange(n_lags)
+    if causal:
+        seg_tau, seg_back = taus, torch.ones(n_lags, dtype=torch.bool)
+    else:  # lag 0 once, then backward and forward segments of each lag
+        seg_tau = torch.cat([taus[:1], taus[1:].repeat_interleave(2)])
+        seg_back = torch.cat([torch.ones(1, dtype=torch.bool), torch.tensor([True, False]).repeat(n_lags - 1)])
+    counts = seq_len - seg_tau  # (S,) entries per segment
+    starts = torch.cumsum(counts, 0) - counts
+    seg = torch.repeat_interleave(torch.arange(seg_tau.numel()), counts)  # (P,) segment of each entry
+    k = torch.arange(int(counts.sum())) - starts[seg]
+    tau, back = seg_tau[seg], seg_back[seg]
+    rows = torch.where(back, k + tau, k)
+    cols = torch.where(back, k, k + tau)
+    per_lag = (seq_len - taus) * (1 if causal else torch.where(taus == 0, 1, 2))
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(per_lag, 0)])
+    return LagBand(
+        seq_len=seq_len,
+        n_lags=n_lags,
+        causal=causal,
+        flat_index=rows * seq_len + cols,
+        rows=rows,
+        cols=cols,
+        lag=torch.where(back, tau, -tau),
+        offsets=offsets,
+    )
 
 
 def window_support(scale: float, kind: str, tol: float) -> float:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pytest
 import torch
 
 from podmonitor.engine.lags import (
@@ -52,6 +53,44 @@ def test_lag_moment_forward_signals_with_reversed_rows():
     d = lag_signals(a, forward=True)
     dense = np.einsum("sit,siu->tu", d.numpy(), d.numpy())
     np.testing.assert_allclose(lag_moment(d.flip(1)).numpy(), dense, rtol=1e-12, atol=1e-14)
+
+
+def _literal_band(seq_len: int, n_lags: int, causal: bool) -> dict[str, list[int]]:
+    """The band layout written out entry by entry: lag 0, then for each lag the backward entries
+    (i, i - tau) by ascending i, then the forward ones (i, i + tau); offsets[T] = entries with
+    |lag| < T."""
+    rows, cols, lags, offsets = [], [], [], [0]
+    for tau in range(n_lags):
+        for i in range(tau, seq_len):
+            rows.append(i)
+            cols.append(i - tau)
+            lags.append(tau)
+        if not causal and tau > 0:
+            for i in range(seq_len - tau):
+                rows.append(i)
+                cols.append(i + tau)
+                lags.append(-tau)
+        offsets.append(len(rows))
+    return {"rows": rows, "cols": cols, "lag": lags, "offsets": offsets,
+            "flat_index": [r * seq_len + c for r, c in zip(rows, cols, strict=True)]}
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize(("seq_len", "n_lags"), [(1, 1), (2, 1), (2, 2), (7, 3), (10, 10), (33, 12), (64, 64)])
+def test_lag_band_build_equals_the_literal_layout(seq_len, n_lags, causal):
+    band = LagBand.build(seq_len, n_lags, causal)
+    ref = _literal_band(seq_len, n_lags, causal)
+    assert band.n_lags == n_lags and band.seq_len == seq_len and band.causal is causal
+    for name, values in ref.items():
+        got = getattr(band, name)
+        assert got.dtype == torch.int64, name
+        assert got.tolist() == values, name
+
+
+def test_lag_band_build_clamps_the_lags_and_is_shared():
+    assert LagBand.build(5, 0, True).n_lags == 1
+    assert LagBand.build(5, 99, False).n_lags == 5
+    assert LagBand.build(12, 4, True) is LagBand.build(12, 4, True)  # built once per layout
 
 
 def test_lag_band_layout_roundtrip_and_prefix():
