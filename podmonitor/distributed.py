@@ -28,6 +28,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -114,12 +115,29 @@ def destroy_gloo_group_at_exit(trainer: Any) -> None:
     atexit.register(_destroy_gloo_group)
 
 
+#: the longest the exit handler waits for the process group's destruction (seconds): it joins
+#: gloo's worker threads, which a collective still waiting for a peer that went away could hold
+#: until gloo's own timeout; after this the process exits as it would have without the handler
+EXIT_DESTROY_TIMEOUT_S = 10.0
+
+
 def _destroy_gloo_group() -> None:
-    """The exit handler of :func:`destroy_gloo_group_at_exit`; never raises."""
+    """The exit handler of :func:`destroy_gloo_group_at_exit`; never raises, and waits at most
+    :data:`EXIT_DESTROY_TIMEOUT_S` (the destruction runs in a daemon thread)."""
     dist = torch.distributed
+    try:
+        if not (dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo"):
+            return
+    except Exception:  # noqa: BLE001 - at exit, nothing is worth an error
+        return
+    worker = threading.Thread(target=_destroy_quietly, name="podmonitor-destroy-gloo-group", daemon=True)
+    worker.start()
+    worker.join(EXIT_DESTROY_TIMEOUT_S)
+
+
+def _destroy_quietly() -> None:
     with contextlib.suppress(Exception):
-        if dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
-            dist.destroy_process_group()
+        torch.distributed.destroy_process_group()
 
 
 def all_ranks_true(trainer: Any, flag: bool) -> bool:
