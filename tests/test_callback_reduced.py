@@ -1,7 +1,9 @@
 """The monitor's default capture reduces each layer as it is formed, and reports what the maps give.
 
 Under default arguments nothing needs per-head maps, so the reference models and the ``sdpa``
-adapter hand over head averages and stability sums instead of (B, H, T, T) maps. These tests run
+adapter hand over head averages and stability sums instead of (B, H, T, T) maps. The reference
+GPT forms them during the validation step's own forward (no second forward; checked against the
+literal softmax of that forward's q and k). These tests run
 the real Trainer twice on the same model and data: once with the defaults (reduced), once with an
 extra that asks for the maps (an ``on_attention`` hook), and compare the records.
 """
@@ -46,6 +48,10 @@ def _validate(tmp_path, monitor: PODMonitor, head_mask: list[float] | None) -> N
 
 @pytest.mark.parametrize("head_mask", [None, [1.0, 0.0, 1.0]])
 def test_default_capture_is_reduced_and_reports_what_the_maps_give(tmp_path, monkeypatch, head_mask):
+    # the capture's own forward (attention_maps), as for EGA or a step that ran the model twice: the
+    # same forward as the maps path's, so the same fields bit for bit (the default takes the
+    # validation step's own forward instead: next test)
+    monkeypatch.setattr(ProtocolAdapter, "start", lambda self, module: None)
     kinds: list[type] = []
     collect = ProtocolAdapter.collect
     monkeypatch.setattr(ProtocolAdapter, "collect", lambda self, *a: kinds.append(type(r := collect(self, *a))) or r)
@@ -71,6 +77,89 @@ def test_default_capture_is_reduced_and_reports_what_the_maps_give(tmp_path, mon
         assert stab["n_snapshots"] == stab_ref["n_snapshots"] == 18
         for key in ("entropy", "sink_mass", "mean_row_max", "max_prob"):
             assert stab[key] == pytest.approx(stab_ref[key], rel=1e-6), key
+
+
+def _literal_step_fields(n: int) -> tuple[list[torch.Tensor], float]:
+    """Per layer, the (n, T, T) float64 head averages of softmax(q k^T / sqrt(d)) (causal) of the
+    validation step's own (fused) forward, written out from each layer's q and k (forward hooks on
+    ``c_attn``, the same batches of 4 as :func:`_validate`), and the plain validation loss."""
+    torch.manual_seed(0)
+    model = GPTLightningModule(vocab_size=11, block_size=150, n_layer=2, n_head=3, n_embd=12, dropout=0.0)
+    x = torch.randint(0, 11, (20, 150), generator=torch.Generator().manual_seed(1))
+    qkv: dict[int, list[torch.Tensor]] = {0: [], 1: []}
+    handles = [block.attn.c_attn.register_forward_hook(lambda m, a, out, i=i: qkv[i].append(out.detach().clone()))
+               for i, block in enumerate(model.model.transformer.h)]
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False)
+    (metrics,) = trainer.validate(model, DataLoader(TensorDataset(x, x), batch_size=4), verbose=False)
+    for h in handles:
+        h.remove()
+    fields = []
+    for i in (0, 1):
+        out = torch.cat(qkv[i]).double()  # (20, T, 3C)
+        b, t, _ = out.shape
+        q, k, _ = out.split(12, dim=2)
+        q = q.view(b, t, 3, 4).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(b, t, 3, 4).transpose(1, 2)
+        scores = (q @ k.transpose(-2, -1)) / 2.0  # sqrt(hs) = 2
+        scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+        fields.append(torch.softmax(scores, dim=-1).mean(dim=1)[:n])  # (n, T, T)
+    return fields, float(metrics["val_loss"])
+
+
+def test_the_default_capture_takes_the_validation_steps_own_forward(tmp_path, monkeypatch):
+    """The reference GPT needs no second forward: during the validation step each layer's
+    probabilities are formed from the step's own q and k and reduced; the step's loss is the one
+    without a monitor (the layer outputs stay the fused kernel's)."""
+    from podmonitor import analyze
+
+    calls: list[int] = []
+    maps = GPTLightningModule.attention_maps
+    monkeypatch.setattr(GPTLightningModule, "attention_maps", lambda self, batch: calls.append(1) or maps(self, batch))
+    monitor = PODMonitor(n_snapshots=18)
+    torch.manual_seed(0)
+    model = GPTLightningModule(vocab_size=11, block_size=150, n_layer=2, n_head=3, n_embd=12, dropout=0.0)
+    x = torch.randint(0, 11, (20, 150), generator=torch.Generator().manual_seed(1))
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False, default_root_dir=str(tmp_path),
+                        callbacks=[monitor])
+    (metrics,) = trainer.validate(model, DataLoader(TensorDataset(x, x), batch_size=4), verbose=False)
+    assert calls == []  # no forward of the capture's own
+    fields, plain_loss = _literal_step_fields(18)
+    assert float(metrics["val_loss"]) == plain_loss
+    for name, ref_fields in zip(("layer_00", "layer_01"), fields, strict=True):
+        got, ref = monitor.last_reports[name], analyze(ref_fields)
+        assert got.n_snapshots == ref.n_snapshots == 18
+        assert got.dominant_scales == pytest.approx(ref.dominant_scales, rel=1e-12)
+        assert got.t_spec == pytest.approx(ref.t_spec, rel=1e-5)  # float32 probabilities against float64
+        for g, r in zip(got.per_scale, ref.per_scale, strict=True):
+            torch.testing.assert_close(g.eigenvalues, r.eigenvalues, rtol=1e-5, atol=1e-5 * float(r.eigenvalues[0]))
+
+
+class TwoForwards(GPTLightningModule):
+    """A validation step that runs the model twice (e.g. a second metric): the reductions of its
+    forward do not match the layers one-to-one, so the capture runs its own forward."""
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.model(x, y)
+        return super().validation_step(batch, batch_idx)
+
+
+def test_a_step_that_runs_the_model_twice_gets_the_captures_own_forward(tmp_path, monkeypatch):
+    calls: list[int] = []
+    maps = GPTLightningModule.attention_maps
+    monkeypatch.setattr(GPTLightningModule, "attention_maps", lambda self, batch: calls.append(1) or maps(self, batch))
+    torch.manual_seed(0)
+    model = TwoForwards(vocab_size=11, block_size=150, n_layer=2, n_head=3, n_embd=12, dropout=0.0)
+    x = torch.randint(0, 11, (8, 150), generator=torch.Generator().manual_seed(1))
+    monitor = PODMonitor(n_snapshots=8)
+    L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+              enable_checkpointing=False, default_root_dir=str(tmp_path), callbacks=[monitor]).validate(
+        model, DataLoader(TensorDataset(x, x), batch_size=4), verbose=False)
+    assert calls == [1, 1]  # one forward of the capture's own per monitored batch
+    assert sorted(monitor.last_reports) == ["layer_00", "layer_01"]
+    assert all(r.n_snapshots == 8 and r.status == "ok" for r in monitor.last_reports.values())
 
 
 class FirstLayerOnly(GPTLightningModule):

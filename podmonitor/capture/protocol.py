@@ -9,7 +9,14 @@ import torch
 
 from podmonitor.capture._util import common_causal, layer_names
 from podmonitor.capture.base import CaptureAdapter, CapturedAttention
-from podmonitor.capture.reduce import ReducedAttention, reducing
+from podmonitor.capture.reduce import ReducedAttention, reducing, reducing_in_step, stop_reducing_in_step
+
+
+def _own_maps(module: torch.nn.Module) -> bool:
+    """Whether ``module``'s ``attention_maps`` is the reference models' own (which can reduce)."""
+    from podmonitor.models.lightning import GPTLightningModule
+
+    return getattr(type(module), "attention_maps", None) is GPTLightningModule.attention_maps
 
 
 def _flag(module: torch.nn.Module, name: str) -> bool | None:
@@ -39,22 +46,47 @@ class ProtocolAdapter(CaptureAdapter):
     returns no maps; the adapter then returns a :class:`~podmonitor.capture.reduce.ReducedAttention`
     (causal as ``attention_is_causal`` says). Other models return their maps as always.
 
-    Nothing is attached: :meth:`start` and :meth:`stop` do nothing.
+    The reference models need no forward of their own when they reduce: :meth:`start` asks the
+    validation step's forward to hand each layer to the reduction as it goes
+    (:func:`~podmonitor.capture.reduce.reducing_in_step`; the layer outputs, and so the step's
+    loss, stay those of the fused kernel), and :meth:`collect` takes those layers when the step
+    gave exactly one per layer of the model. Otherwise (EGA, autocast, a step that ran the model
+    twice or not at all) it runs ``attention_maps(batch)`` as above. Nothing is attached.
     """
 
     name = "protocol"
+
+    def __init__(self) -> None:
+        self._in_step: Any = None  # the token of reducing_in_step while the step's forward reduces
 
     @classmethod
     def applies(cls, module: torch.nn.Module) -> bool:
         return callable(getattr(module, "attention_maps", None))
 
+    def start(self, module: torch.nn.Module) -> None:
+        if self.reduction is not None and self._in_step is None and _own_maps(module):
+            self.reduction.clear()
+            self._in_step = reducing_in_step(self.reduction)
+
+    def stop(self) -> None:
+        if self._in_step is not None:
+            token, self._in_step = self._in_step, None
+            stop_reducing_in_step(token)
+
     def collect(self, module: torch.nn.Module, batch: Any, outputs: Any) -> CapturedAttention | ReducedAttention:
         # only the library's own attention_maps (the reference models) reduces: a user's method may
         # select, split or restack what the forward returns, which a reduction cannot follow
-        from podmonitor.models.lightning import GPTLightningModule
-
-        own = getattr(type(module), "attention_maps", None) is GPTLightningModule.attention_maps
+        own = _own_maps(module)
         reduction = self.reduction if own else None
+        in_step = self._in_step is not None
+        self.stop()
+        if in_step and reduction is not None:
+            n_layer = getattr(getattr(module, "config", None), "n_layer", None)
+            if len(reduction.layers) and len(reduction.layers) == n_layer:  # the step's own forward reduced
+                layers, reduction.layers = reduction.layers, []
+                return ReducedAttention(layers=[layer.result() for layer in layers],
+                                        layer_names=layer_names(len(layers)),
+                                        causal=common_causal(layer.causal for layer in layers))
         if reduction is not None:
             reduction.clear()
         with torch.no_grad(), (reducing(reduction) if reduction is not None else contextlib.nullcontext()):

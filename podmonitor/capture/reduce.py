@@ -225,4 +225,28 @@ def reducing(reduction: Reduction) -> Iterator[Reduction]:
         _CURRENT.reset(token)
 
 
-__all__ = ["LayerReduction", "ReducedAttention", "ReducedLayer", "Reduction", "current_reduction", "reducing"]
+_IN_STEP: contextvars.ContextVar[Reduction | None] = contextvars.ContextVar("podmonitor_step_reduction",
+                                                                            default=None)
+
+
+def step_reduction() -> Reduction | None:
+    """The reduction a capture asked the model's own forward to feed while the validation step
+    runs (:func:`reducing_in_step`), or None."""
+    return _IN_STEP.get()
+
+
+def reducing_in_step(reduction: Reduction) -> contextvars.Token:
+    """Ask a model that supports it (the reference models' softmax attention) to hand each layer
+    of the forward passes that follow to ``reduction``, besides computing its output as usual,
+    until :func:`stop_reducing_in_step` with the returned token. Not a ``with`` block: the capture
+    starts before the validation step and stops after it, in two hooks."""
+    return _IN_STEP.set(reduction)
+
+
+def stop_reducing_in_step(token: contextvars.Token) -> None:
+    """End what :func:`reducing_in_step` started."""
+    _IN_STEP.reset(token)
+
+
+__all__ = ["LayerReduction", "ReducedAttention", "ReducedLayer", "Reduction", "current_reduction", "reducing",
+           "reducing_in_step", "step_reduction", "stop_reducing_in_step"]

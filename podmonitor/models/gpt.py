@@ -51,7 +51,7 @@ import torch.nn as nn
 from torch.nn import functional as F
 
 from podmonitor import hugepages
-from podmonitor.capture.reduce import current_reduction
+from podmonitor.capture.reduce import current_reduction, reducing, step_reduction
 
 AttentionKind = Literal["softmax", "ega"]
 EGAGate = Literal["causal", "window"]
@@ -394,6 +394,19 @@ class CausalSelfAttention(nn.Module):
         m = self.head_mask
         return y * m.reshape(*m.shape, 1, 1).to(y.dtype)  # (nh, 1, 1) or (B, nh, 1, 1)
 
+    def _reduce_in_step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """While a capture reduces the validation step's own forward
+        (:func:`~podmonitor.capture.reduce.reducing_in_step`; eval mode, no autograd), form this
+        layer's probabilities from the same q and k in row blocks and hand them to the capture's
+        reduction; the layer's output stays the fused kernel's (what the step computes without a
+        capture). With autograd, autocast or ``torch.compile`` nothing is formed: the capture then
+        runs its own forward (:meth:`GPTLightningModule.attention_maps`)."""
+        reduction = step_reduction()
+        if reduction is None or self.training or _ordinary(q, k, v):
+            return
+        with reducing(reduction):
+            _causal_attention_blocked(q, k, v, 1.0 / math.sqrt(k.size(-1)), None)
+
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queries, keys, values, each (B, nh, T, hs), from the layer-normed input x (B, T, C)."""
         B, T, C = x.size()
@@ -425,6 +438,7 @@ class CausalSelfAttention(nn.Module):
             # fused path (flash / memory-efficient / math kernel, chosen by torch)
             if log_g is None:
                 y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+                self._reduce_in_step(q, k, v)
             else:
                 causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()  # (T, T)
                 mask = log_g.masked_fill(~causal, float("-inf"))  # (B, nh, T, T): causal + log g
