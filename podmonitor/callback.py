@@ -473,6 +473,7 @@ class PODMonitor(MonitorCallback):
         """The batch's attention from the adapter (None after a failure, which is warned)."""
         assert self._adapter is not None
         t0 = time.perf_counter()
+        reduction = self._adapter.reduction
         try:
             return self._adapter.collect(pl_module, batch, outputs)
         except Exception as err:  # noqa: BLE001
@@ -480,7 +481,9 @@ class PODMonitor(MonitorCallback):
             return None
         finally:
             self._stop_capture()
-            self._capture_seconds += time.perf_counter() - t0
+            # (and what the model spent reducing inside the step's own forward, if it did)
+            in_step = reduction.step_seconds if reduction is not None else 0.0
+            self._capture_seconds += time.perf_counter() - t0 + in_step
 
     def _usable(self, pl_module: LightningModule, captured: CapturedAttention | ReducedAttention) -> torch.Tensor:
         """Set up the accumulators on the first batch; the indices (b,) of the batch's usable

@@ -188,6 +188,9 @@ class Reduction:
     def __init__(self, heads_for: HeadsFor | None = None) -> None:
         self.heads_for = heads_for
         self.layers: list[LayerReduction] = []
+        #: seconds a model spent reducing inside the validation step's own forward
+        #: (:func:`reducing_in_step`), for the monitor's capture timing
+        self.step_seconds = 0.0
 
     def layer(self, b: int, h: int, t: int, causal: bool, device: torch.device) -> LayerReduction:
         """A new layer (the next in call order, added to :attr:`layers`), to

@@ -42,6 +42,7 @@ only to reproduce the published numbers.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any, Literal
@@ -404,8 +405,10 @@ class CausalSelfAttention(nn.Module):
         reduction = step_reduction()
         if reduction is None or self.training or _ordinary(q, k, v):
             return
+        t0 = time.perf_counter()
         with reducing(reduction):
             _causal_attention_blocked(q, k, v, 1.0 / math.sqrt(k.size(-1)), None)
+        reduction.step_seconds += time.perf_counter() - t0
 
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queries, keys, values, each (B, nh, T, hs), from the layer-normed input x (B, T, C)."""
