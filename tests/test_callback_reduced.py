@@ -34,16 +34,21 @@ class WantsMaps(MonitorExtra):
         self.shapes.append(tuple(fields.shape))
 
 
-def _validate(tmp_path, monitor: PODMonitor, head_mask: list[float] | None) -> None:
+def _validate(tmp_path, monitor: PODMonitor, head_mask: list[float] | None = None,
+              model_class: type[GPTLightningModule] = GPTLightningModule,
+              n: int = 20) -> tuple[GPTLightningModule, torch.Tensor, dict]:
+    """A 2-layer, 3-head reference GPT validated on ``n`` random sequences of 150 in batches of 4;
+    the model, the sequences and the metrics."""
     torch.manual_seed(0)
-    model = GPTLightningModule(vocab_size=11, block_size=150, n_layer=2, n_head=3, n_embd=12, dropout=0.0)
+    model = model_class(vocab_size=11, block_size=150, n_layer=2, n_head=3, n_embd=12, dropout=0.0)
     if head_mask is not None:
         model.model.transformer.h[1].attn.set_head_mask(head_mask)
-    x = torch.randint(0, 11, (20, 150), generator=torch.Generator().manual_seed(1))
+    x = torch.randint(0, 11, (n, 150), generator=torch.Generator().manual_seed(1))
     trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, enable_checkpointing=False, default_root_dir=str(tmp_path),
                         callbacks=[monitor])
-    trainer.validate(model, DataLoader(TensorDataset(x, x), batch_size=4), verbose=False)
+    (metrics,) = trainer.validate(model, DataLoader(TensorDataset(x, x), batch_size=4), verbose=False)
+    return model, x, metrics
 
 
 @pytest.mark.parametrize("head_mask", [None, [1.0, 0.0, 1.0]])
@@ -117,13 +122,7 @@ def test_the_default_capture_takes_the_validation_steps_own_forward(tmp_path, mo
     maps = GPTLightningModule.attention_maps
     monkeypatch.setattr(GPTLightningModule, "attention_maps", lambda self, batch: calls.append(1) or maps(self, batch))
     monitor = PODMonitor(n_snapshots=18)
-    torch.manual_seed(0)
-    model = GPTLightningModule(vocab_size=11, block_size=150, n_layer=2, n_head=3, n_embd=12, dropout=0.0)
-    x = torch.randint(0, 11, (20, 150), generator=torch.Generator().manual_seed(1))
-    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
-                        enable_model_summary=False, enable_checkpointing=False, default_root_dir=str(tmp_path),
-                        callbacks=[monitor])
-    (metrics,) = trainer.validate(model, DataLoader(TensorDataset(x, x), batch_size=4), verbose=False)
+    _, _, metrics = _validate(tmp_path, monitor)
     assert calls == []  # no forward of the capture's own
     fields, plain_loss = _literal_step_fields(18)
     assert float(metrics["val_loss"]) == plain_loss
@@ -150,13 +149,8 @@ def test_a_step_that_runs_the_model_twice_gets_the_captures_own_forward(tmp_path
     calls: list[int] = []
     maps = GPTLightningModule.attention_maps
     monkeypatch.setattr(GPTLightningModule, "attention_maps", lambda self, batch: calls.append(1) or maps(self, batch))
-    torch.manual_seed(0)
-    model = TwoForwards(vocab_size=11, block_size=150, n_layer=2, n_head=3, n_embd=12, dropout=0.0)
-    x = torch.randint(0, 11, (8, 150), generator=torch.Generator().manual_seed(1))
     monitor = PODMonitor(n_snapshots=8)
-    L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
-              enable_checkpointing=False, default_root_dir=str(tmp_path), callbacks=[monitor]).validate(
-        model, DataLoader(TensorDataset(x, x), batch_size=4), verbose=False)
+    _validate(tmp_path, monitor, model_class=TwoForwards, n=8)
     assert calls == [1, 1]  # one forward of the capture's own per monitored batch
     assert sorted(monitor.last_reports) == ["layer_00", "layer_01"]
     assert all(r.n_snapshots == 8 and r.status == "ok" for r in monitor.last_reports.values())
@@ -171,13 +165,8 @@ class FirstLayerOnly(GPTLightningModule):
 
 
 def test_a_users_own_attention_maps_gets_exactly_what_it_returns(tmp_path):
-    torch.manual_seed(0)
-    model = FirstLayerOnly(vocab_size=11, block_size=150, n_layer=2, n_head=3, n_embd=12, dropout=0.0)
-    x = torch.randint(0, 11, (8, 150), generator=torch.Generator().manual_seed(1))
     monitor = PODMonitor(n_snapshots=8)
-    L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
-              enable_checkpointing=False, default_root_dir=str(tmp_path), callbacks=[monitor]).validate(
-        model, DataLoader(TensorDataset(x, x), batch_size=4), verbose=False)
+    model, x, _ = _validate(tmp_path, monitor, model_class=FirstLayerOnly, n=8)
     assert sorted(monitor.last_reports) == ["layer_00"]
     # the literal head average of that layer, formed by hand from the model's maps
     from podmonitor import analyze
