@@ -36,11 +36,11 @@ class WantsMaps(MonitorExtra):
 
 def _validate(tmp_path, monitor: PODMonitor, head_mask: list[float] | None = None,
               model_class: type[GPTLightningModule] = GPTLightningModule,
-              n: int = 20) -> tuple[GPTLightningModule, torch.Tensor, dict]:
+              n: int = 20, **model_kw) -> tuple[GPTLightningModule, torch.Tensor, dict]:
     """A 2-layer, 3-head reference GPT validated on ``n`` random sequences of 150 in batches of 4;
     the model, the sequences and the metrics."""
     torch.manual_seed(0)
-    model = model_class(vocab_size=11, block_size=150, n_layer=2, n_head=3, n_embd=12, dropout=0.0)
+    model = model_class(vocab_size=11, block_size=150, n_layer=2, n_head=3, n_embd=12, dropout=0.0, **model_kw)
     if head_mask is not None:
         model.model.transformer.h[1].attn.set_head_mask(head_mask)
     x = torch.randint(0, 11, (n, 150), generator=torch.Generator().manual_seed(1))
@@ -145,12 +145,16 @@ class TwoForwards(GPTLightningModule):
         return super().validation_step(batch, batch_idx)
 
 
-def test_a_step_that_runs_the_model_twice_gets_the_captures_own_forward(tmp_path, monkeypatch):
+@pytest.mark.parametrize(("model_class", "model_kw"), [(TwoForwards, {}), (GPTLightningModule, {"attention": "ega"})],
+                         ids=["two-forwards", "ega"])
+def test_where_the_step_cannot_reduce_the_capture_runs_its_own_forward(tmp_path, monkeypatch, model_class, model_kw):
+    # a step that runs the model twice (its reductions do not match the layers one-to-one), and EGA
+    # (its gated fused path forms no probabilities)
     calls: list[int] = []
     maps = GPTLightningModule.attention_maps
     monkeypatch.setattr(GPTLightningModule, "attention_maps", lambda self, batch: calls.append(1) or maps(self, batch))
     monitor = PODMonitor(n_snapshots=8)
-    _validate(tmp_path, monitor, model_class=TwoForwards, n=8)
+    _validate(tmp_path, monitor, model_class=model_class, n=8, **model_kw)
     assert calls == [1, 1]  # one forward of the capture's own per monitored batch
     assert sorted(monitor.last_reports) == ["layer_00", "layer_01"]
     assert all(r.n_snapshots == 8 and r.status == "ok" for r in monitor.last_reports.values())

@@ -194,9 +194,10 @@ class LagShear:
         With p panels the products take ``sum_k (k + 1)(p - k) / p^3`` L^3 multiply-adds per field
         (0.234 L^3 for 8, 0.199 L^3 for 16, against the L^3 / 6 of the exact triangle): more
         panels waste less on the diagonal blocks, until the panels get too narrow for fast
-        products. Measured on 2 cores (updates of N = 150 fields): at L = 1024, 16 panels took
-        1.63 s against 1.77 s for 8 (float64) and 1.24 s against 1.33 s (float32); at L = 256 and
-        512 no difference, and 32 panels were no faster (slower at L = 256).
+        products. ``bench_engine_parts.py --compare`` on 2 cores, updates of N = 150 fields at
+        L = 1024: 16 panels 1.745 s against 1.860 s for 8 (float64 fields), 1.165 s against 1.295 s
+        (float32). Up to L = 575 it is 8, as before; in a one-off trial (not kept) 16 panels were no
+        faster at L = 256 and 512, and 32 no faster at L = 1024.
         """
         return max(8, min(16, seq_len // PANEL_WIDTH))
 

@@ -52,7 +52,7 @@ import torch.nn as nn
 from torch.nn import functional as F
 
 from podmonitor import hugepages
-from podmonitor.capture.reduce import current_reduction, reducing, step_reduction
+from podmonitor.capture.reduce import Reduction, current_reduction, step_reduction
 
 AttentionKind = Literal["softmax", "ega"]
 EGAGate = Literal["causal", "window"]
@@ -298,7 +298,8 @@ def _causal_product(att: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
 
 def _causal_attention_blocked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, scale: float,
-                              log_g: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+                              log_g: torch.Tensor | None, *, reduce_into: Reduction | None = None,
+                              ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """:func:`_causal_attention` without autograd, in blocks of query rows (shapes there); the
     output only when ``v`` is given (None: the caller takes it after dropout).
 
@@ -306,10 +307,14 @@ def _causal_attention_blocked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor 
     one of the monitor's pool while it captures); a block's scores into a reused work buffer.
     Within a capture's :func:`~podmonitor.capture.reduce.reducing` block (and without dropout),
     each block goes to the capture's reduction instead, and no probabilities are returned (None).
+    ``reduce_into``: feed this reduction whether or not ``v`` is given (pass None for ``v``: the
+    validation step's own forward keeps its fused output, :meth:`CausalSelfAttention._reduce_in_step`).
     """
     T = q.size(-2)
     lead = q.shape[:-2]  # (B, nh)
-    reduction = current_reduction() if v is not None and len(lead) == 2 else None
+    reduction = reduce_into
+    if reduction is None and v is not None and len(lead) == 2:
+        reduction = current_reduction()
     probs = None if reduction is not None else hugepages.empty((*lead, T, T), q.dtype, q.device)
     layer = None  # the reduction's layer, once a block is formed (out= may be refused before)
     work = hugepages.scratch((lead.numel() * min(T, MASK_ROWS) * T,), q.dtype, q.device)
@@ -399,15 +404,15 @@ class CausalSelfAttention(nn.Module):
         """While a capture reduces the validation step's own forward
         (:func:`~podmonitor.capture.reduce.reducing_in_step`; eval mode, no autograd), form this
         layer's probabilities from the same q and k in row blocks and hand them to the capture's
-        reduction; the layer's output stays the fused kernel's (what the step computes without a
-        capture). With autograd, autocast or ``torch.compile`` nothing is formed: the capture then
-        runs its own forward (:meth:`GPTLightningModule.attention_maps`)."""
+        reduction, without a second output; the layer's output stays the fused kernel's (what the
+        step computes without a capture). With autograd (``v`` is checked too), autocast or
+        ``torch.compile`` nothing is formed: the capture then runs its own forward
+        (:meth:`GPTLightningModule.attention_maps`)."""
         reduction = step_reduction()
         if reduction is None or self.training or _ordinary(q, k, v):
             return
         t0 = time.perf_counter()
-        with reducing(reduction):
-            _causal_attention_blocked(q, k, v, 1.0 / math.sqrt(k.size(-1)), None)
+        _causal_attention_blocked(q, k, None, 1.0 / math.sqrt(k.size(-1)), None, reduce_into=reduction)
         reduction.step_seconds += time.perf_counter() - t0
 
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
