@@ -33,6 +33,9 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import LogFormatter, LogFormatterMathtext, LogLocator, NullFormatter, NullLocator
 
 from ..engine.report import PODReport, ScaleReport
+from . import layouts
+from .layouts import new_figure as _new_figure
+from .layouts import rect as _rect
 
 __all__ = [
     "LAYER_PICTURES",
@@ -79,24 +82,6 @@ def check_pictures(names: Iterable[object]) -> tuple[str, ...]:
 
 # --------------------------------------------------------------------------------------------
 # helpers
-
-
-def _new_figure(figsize: tuple[float, float] = (7.0, 4.5), dpi: float = 100.0) -> Figure:
-    """A Figure with its own Agg canvas (never registered with pyplot).
-
-    Layouts are fixed margins in inches (:func:`_rect`), not constrained layout: the layout solver
-    took three quarters of the rendering time, which matters when every layer is drawn at every
-    analysis of a training run.
-    """
-    fig = Figure(figsize=figsize, dpi=dpi)
-    FigureCanvasAgg(fig)
-    return fig
-
-
-def _rect(fig: Figure, left: float, bottom: float, right: float, top: float) -> list[float]:
-    """Axes rectangle (figure fractions) from margins in inches to the figure edges."""
-    w, h = fig.get_size_inches()
-    return [left / w, bottom / h, max(0.05, (w - left - right) / w), max(0.05, (h - bottom - top) / h)]
 
 
 def as_float_array(x: Any) -> np.ndarray:
@@ -156,6 +141,7 @@ def _wrap(lines: Sequence[str], width: int = 70) -> str:
 
 def _message(ax: Axes, lines: Sequence[str]) -> None:
     """Replace the content of ``ax`` by a centred message."""
+    layouts.spoil(ax.figure)  # axes off: a kept figure is not handed out again
     ax.set_axis_off()
     ax.text(0.5, 0.5, _wrap(lines), ha="center", va="center", transform=ax.transAxes,
             fontsize=13, color="firebrick", wrap=True)
@@ -209,9 +195,7 @@ def scalogram_figure(report: PODReport, which: Which = "fluctuation", *, title: 
     """
     if which not in ("fluctuation", "mean"):
         raise ValueError(f"which must be 'fluctuation' or 'mean', got {which!r}")
-    fig = _new_figure((8.0, 4.5))
     what = "fluctuation scalogram S(a, τ)" if which == "fluctuation" else "mean-field scalogram S(a, τ)"
-    _title(fig, title, what)
     s = _np(report.scalogram if which == "fluctuation" else report.mean_scalogram)
     scales = _np(report.scales)
     problems = _status_lines(report)
@@ -221,6 +205,8 @@ def scalogram_figure(report: PODReport, which: Which = "fluctuation", *, title: 
     # the engine decided the fluctuation is zero: what is left is float round-off, not signal
     round_off = which == "fluctuation" and report.status == "zero_variance"
     if round_off or not (ok_shape and ok_scales and vmax > 0):
+        fig = _new_figure((8.0, 4.5))
+        _title(fig, title, what)
         ax = fig.add_subplot()
         if round_off:
             why = "the scalogram is zero everywhere (up to float round-off)"
@@ -235,9 +221,10 @@ def scalogram_figure(report: PODReport, which: Which = "fluctuation", *, title: 
         _message(ax, [why] + problems)
         return fig
 
-    ax = fig.add_axes(_rect(fig, 0.75, 0.55, 2.3, 0.45))
-    ax_e = fig.add_axes(_rect(fig, 5.8, 0.55, 1.1, 0.45), sharey=ax)
-    cax = fig.add_axes(_rect(fig, 7.0, 0.55, 0.85, 0.45))
+    fig, (ax, ax_e, cax) = layouts.layout(
+        "scalogram", (8.0, 4.5), [(0.75, 0.55, 2.3, 0.45), (5.8, 0.55, 1.1, 0.45), (7.0, 0.55, 0.85, 0.45)],
+        sharey={1: 0})
+    _title(fig, title, what)
     ax_e.tick_params(axis="y", labelleft=False)
     n_lags = s.shape[1]
     lag_edges = np.arange(n_lags + 1, dtype=np.float64) - 0.5
@@ -252,7 +239,7 @@ def scalogram_figure(report: PODReport, which: Which = "fluctuation", *, title: 
     ax.yaxis.set_minor_locator(NullLocator())
     ax.set_xlabel("lag τ = i − j (tokens)")
     ax.set_ylabel("scale a (tokens)")
-    fig.colorbar(mesh, cax=cax, label="⟨|W|²⟩")
+    layouts.colorbar(fig, mesh, cax, "⟨|W|²⟩")
 
     energy = np.nansum(np.where(np.isfinite(s), s, np.nan), axis=1)
     ax_e.plot(energy, scales, "k.-", lw=1, ms=3)
@@ -334,14 +321,18 @@ def scale_organisation_figure(reports: Sequence[PODReport], layer_names: Sequenc
     names = [f"layer {i}" for i in range(len(reports))] if layer_names is None else [str(n) for n in layer_names]
     if len(names) != len(reports):
         raise ValueError(f"got {len(reports)} reports but {len(names)} layer names")
-    fig = _new_figure((8.0, max(2.6, 1.5 + 0.45 * len(reports))))
-    _title(fig, title, "scale energy E(a) per layer (rows sum to 1)")
+    figsize = (8.0, max(2.6, 1.5 + 0.45 * len(reports)))
+    what = "scale energy E(a) per layer (rows sum to 1)"
     left = 0.75 + 0.075 * max([len(n) for n in names] + [4])
-    ax = fig.add_axes(_rect(fig, left, 1.0, 1.25, 0.45))
     grid = _scale_union(reports)
     if not reports or grid.size == 0:
+        fig = _new_figure(figsize)
+        _title(fig, title, what)
+        ax = fig.add_axes(_rect(fig, left, 1.0, 1.25, 0.45))
         _message(ax, ["no report to draw" if not reports else "no report has a scale grid (sequences too short?)"])
         return fig
+    fig, (ax, cax) = layouts.layout("scale_organisation", figsize, [(left, 1.0, 1.25, 0.45), (6.95, 1.0, 0.9, 0.45)])
+    _title(fig, title, what)
 
     rows = np.full((len(reports), grid.size), np.nan)
     blank = []
@@ -361,7 +352,7 @@ def scale_organisation_figure(reports: Sequence[PODReport], layer_names: Sequenc
 
     data = np.ma.masked_invalid(rows)
     img = ax.imshow(data, aspect="auto", cmap="viridis", vmin=0.0, interpolation="nearest")
-    fig.colorbar(img, cax=fig.add_axes(_rect(fig, 6.95, 1.0, 0.9, 0.45)), label="E(a) / Σ E")
+    layouts.colorbar(fig, img, cax, "E(a) / Σ E")
     step = max(1, grid.size // 8)
     ticks = np.arange(0, grid.size, step)
     ax.set_xticks(ticks, [f"{grid[t]:.3g}" for t in ticks])
@@ -442,9 +433,8 @@ def spectrum_figure(report: PODReport, *, title: str | None = None) -> Figure:
         The figure; a report without POD (empty ``per_scale``) or without a positive eigenvalue
         gives axes that say why.
     """
-    fig = _new_figure((7.0, 4.5))
+    fig, (ax,) = layouts.layout("spectrum", (7.0, 4.5), [(0.8, 0.55, 0.2, 0.45)])
     _title(fig, title, "POD spectrum λ_k at the dominant scales")
-    ax = fig.add_axes(_rect(fig, 0.8, 0.55, 0.2, 0.45))
     if not report.per_scale:
         _message(ax, ["no POD spectrum: the report has no dominant scale"] + _status_lines(report))
         return fig
@@ -500,9 +490,8 @@ def modes_figure(report: PODReport, n_modes: int = 4, *, title: str | None = Non
     Returns:
         The figure; without dominant scales (or without kept profiles) the axes say why.
     """
-    fig = _new_figure((7.0, 4.5))
+    fig, (ax,) = layouts.layout("modes", (7.0, 4.5), [(0.9, 0.75, 0.25, 0.75)])
     _title(fig, title, "POD mode lag profiles φ_k(τ)")
-    ax = fig.add_axes(_rect(fig, 0.9, 0.75, 0.25, 0.75))
     scales = list(report.per_scale)
     if not scales:
         _message(ax, ["no POD modes: the report has no dominant scale"] + _status_lines(report))
@@ -544,19 +533,22 @@ def coherency_figure(report: PODReport, *, title: str | None = None) -> Figure |
     """
     if report.coherency is None:
         return None
-    fig = _new_figure((5.6, 4.8))
-    _title(fig, title, f"cross-coherency γ_ij at a = {_fmt(report.coherency_scale)}")
-    ax = fig.add_axes(_rect(fig, 0.65, 0.55, 1.1, 0.45))
+    what = f"cross-coherency γ_ij at a = {_fmt(report.coherency_scale)}"
     gamma = _np(report.coherency).astype(float, copy=True)
     if gamma.ndim == 2 and gamma.shape[0] == gamma.shape[1] and report.causal:
         # METHOD.md section 6: a causal query sees keys j <= i only; above the diagonal gamma is undefined
         gamma[np.triu_indices(gamma.shape[0], 1)] = np.nan
     if gamma.ndim != 2 or gamma.size == 0 or not np.isfinite(gamma).any():
+        fig = _new_figure((5.6, 4.8))
+        _title(fig, title, what)
+        ax = fig.add_axes(_rect(fig, 0.65, 0.55, 1.1, 0.45))
         _message(ax, [f"no finite coherency value (shape {tuple(gamma.shape)})"] + _status_lines(report))
         return fig
+    fig, (ax, cax) = layouts.layout("coherency", (5.6, 4.8), [(0.65, 0.55, 1.1, 0.45), (4.65, 0.55, 0.8, 0.45)])
+    _title(fig, title, what)
     # one colour scale for every layer and step: gamma lies in [0, 1]
     img = ax.imshow(np.ma.masked_invalid(gamma), vmin=0.0, vmax=1.0, cmap="magma", interpolation="nearest")
-    fig.colorbar(img, cax=fig.add_axes(_rect(fig, 4.65, 0.55, 0.8, 0.45)), label="γ")
+    layouts.colorbar(fig, img, cax, "γ")
     ax.set_xlabel("key j")
     ax.set_ylabel("query i")
     n_bad = int(np.sum(~np.isfinite(gamma)))
@@ -577,14 +569,16 @@ def trend_heatmap_figure(title: str, steps: Sequence[int], layer_names: Sequence
         unit: shown on the colour bar.
     """
     vals = np.asarray(values, dtype=float)
-    fig = _new_figure((9.0, 4.5))
-    _title(fig, None, f"{title}: layers x validation steps")
-    ax = fig.add_axes(_rect(fig, 1.6, 0.8, 1.4, 0.7))
+    what = f"{title}: layers x validation steps"
     if vals.ndim != 2 or vals.size == 0 or not np.isfinite(vals).any():
-        _message(ax, ["no finite value yet"])
+        fig = _new_figure((9.0, 4.5))
+        _title(fig, None, what)
+        _message(fig.add_axes(_rect(fig, 1.6, 0.8, 1.4, 0.7)), ["no finite value yet"])
         return fig
+    fig, (ax, cax) = layouts.layout("trend", (9.0, 4.5), [(1.6, 0.8, 1.4, 0.7), (7.8, 0.8, 0.9, 0.7)])
+    _title(fig, None, what)
     img = ax.imshow(np.ma.masked_invalid(vals), aspect="auto", cmap="viridis", interpolation="nearest")
-    fig.colorbar(img, cax=fig.add_axes(_rect(fig, 7.8, 0.8, 0.9, 0.7)), label=unit)
+    layouts.colorbar(fig, img, cax, unit)
     ax.set_yticks(range(len(layer_names)), [str(n) for n in layer_names], fontsize=11)
     n = len(steps)
     every = max(1, math.ceil(n / 8))
@@ -656,6 +650,7 @@ def figure_to_array(fig: Figure) -> np.ndarray:
                 axis.set_major_formatter(LogFormatter())
     canvas.draw()
     rgb = np.asarray(canvas.buffer_rgba())[..., :3].copy()
+    layouts.release(fig)  # a kept figure (inside layouts.reusing) goes back for the next one
     plt = sys.modules.get("matplotlib.pyplot")  # only if the caller already imported pyplot
     if plt is not None and getattr(fig, "number", None) is not None and plt.fignum_exists(fig.number):
         plt.close(fig)
@@ -698,9 +693,13 @@ def layer_images(report: PODReport, layer_name: str, *, prefix: str = "pod",
 def draw_run_pictures(prefix: str, reports: Mapping[str, PODReport], present: Sequence[str],
                       trend: Mapping[str, tuple[str, Mapping[str, Sequence[float]]]] | None = None,
                       steps: Sequence[int] = (), units: Mapping[str, str] | None = None,
-                      which: Collection[str] = PICTURES) -> dict[str, np.ndarray]:
+                      which: Collection[str] = PICTURES, cache: layouts.FigureCache | None = None
+                      ) -> dict[str, np.ndarray]:
     """The pictures of one monitored run, rendered: the scale organisation over depth, each layer's
     :func:`layer_images`, and one layers x validation-steps heatmap per headline trend.
+
+    The figures are drawn inside :func:`~podmonitor.reporting.layouts.reusing`: each kind's axes,
+    ticks and colour bar are built once and refilled for the next layer (the same pixels).
 
     Args:
         prefix: tag prefix ("pod").
@@ -711,6 +710,8 @@ def draw_run_pictures(prefix: str, reports: Mapping[str, PODReport], present: Se
         steps: the validation steps of the trend.
         units: metric key -> unit, for the heatmaps' colour bars.
         which: the pictures to draw, names from :data:`PICTURES` (default all).
+        cache: the kept figures, to reuse them from one call to the next too (the picture process
+            keeps one for its life); default a new one for this call.
 
     Returns:
         tag -> (H, W, 3) uint8 array.
@@ -719,6 +720,14 @@ def draw_run_pictures(prefix: str, reports: Mapping[str, PODReport], present: Se
         ValueError: an unknown name in ``which``.
     """
     which = check_pictures(which)
+    with layouts.reusing(cache):
+        return _draw_run_pictures(prefix, reports, present, trend, steps, units, which)
+
+
+def _draw_run_pictures(prefix: str, reports: Mapping[str, PODReport], present: Sequence[str],
+                       trend: Mapping[str, tuple[str, Mapping[str, Sequence[float]]]] | None,
+                       steps: Sequence[int], units: Mapping[str, str] | None,
+                       which: tuple[str, ...]) -> dict[str, np.ndarray]:
     layer_reports = [reports[n] for n in present]
     pictures: dict[str, np.ndarray] = {}
     if not layer_reports:

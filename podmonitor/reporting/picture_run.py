@@ -25,6 +25,7 @@ import numpy as np
 
 from ..engine.report import PODReport
 from .figures import LAYER_PICTURES, draw_run_pictures
+from .layouts import FigureCache
 
 #: one part: (the layers it draws, the picture names it draws)
 Part = tuple[list[str], tuple[str, ...]]
@@ -83,6 +84,7 @@ class PictureRun:
         self._next = 0  # the first part nobody has taken
         self._results: list[dict[str, np.ndarray] | None] = [None] * len(self.parts)
         self._n_done = 0
+        self._kept: FigureCache | None = None  # figures kept between the parts one help() draws
 
     def _take(self) -> int | None:
         with self._cond:
@@ -120,24 +122,29 @@ class PictureRun:
         """Draw the parts nobody has started, in this process (:func:`draw_here`), from a thread
         that would otherwise only wait for them; returns how many it drew."""
         drawn = 0
-        while (index := self._take()) is not None:
-            self._draw(index, self.draw_here)
-            drawn += 1
+        self._kept = FigureCache()  # the kinds drawn for one layer are drawn again for the next
+        try:
+            while (index := self._take()) is not None:
+                self._draw(index, self.draw_here)
+                drawn += 1
+        finally:
+            self._kept = None
         return drawn
 
     def draw_here(self, reports: Mapping[str, PODReport], layers: Sequence[str],
                   names: tuple[str, ...]) -> dict[str, np.ndarray]:
         """One part drawn in this process (a :data:`PartDrawer`)."""
-        return draw_here(self.prefix, reports, layers, self.trend, self.steps, self.units, names)
+        return draw_here(self.prefix, reports, layers, self.trend, self.steps, self.units, names, cache=self._kept)
 
 
 def draw_here(prefix: str, reports: Mapping[str, PODReport], present: Sequence[str],
               trend: Mapping[str, Any] | None, steps: Sequence[int], units: Mapping[str, str] | None,
-              which: Collection[str]) -> dict[str, np.ndarray]:
+              which: Collection[str], cache: FigureCache | None = None) -> dict[str, np.ndarray]:
     """:func:`~podmonitor.reporting.figures.draw_run_pictures` in this process, one drawing at a
-    time (matplotlib's global state is not meant for two threads at once)."""
+    time (matplotlib's global state is not meant for two threads at once); ``cache``: figures kept
+    from the last call (:class:`~podmonitor.reporting.layouts.FigureCache`)."""
     with _HERE:
-        return draw_run_pictures(prefix, reports, present, trend, steps, units, which=which)
+        return draw_run_pictures(prefix, reports, present, trend, steps, units, which=which, cache=cache)
 
 
 __all__ = ["PictureRun", "draw_here", "picture_parts"]

@@ -272,6 +272,9 @@ def _serve(niceness: int) -> None:
         except OSError:
             pass
     from podmonitor.reporting.figures import draw_run_pictures
+    from podmonitor.reporting.layouts import FigureCache
+
+    kept = FigureCache()  # each kind's figure built once for the child's life
 
     while True:
         try:
@@ -282,7 +285,7 @@ def _serve(niceness: int) -> None:
         what, args, kwargs = pickle.loads(payload)
         try:
             if what == "draw_run_pictures":
-                pictures = draw_run_pictures(*args, **kwargs)
+                pictures = draw_run_pictures(*args, **kwargs, cache=kept)
                 answer: tuple[Any, ...] = ("ok", (pictures, time.process_time() - cpu))
             elif what == "status":
                 answer = ("ok", {"pid": os.getpid(), "niceness": os.nice(0) if hasattr(os, "nice") else None,
