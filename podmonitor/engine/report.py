@@ -44,8 +44,15 @@ def _jsonable(x: Any) -> Any:
     """Tensors and numpy arrays -> lists, non-finite floats -> None (strict JSON has no NaN/inf)."""
     torch = sys.modules.get("torch")  # (no tensor exists unless torch was imported)
     if torch is not None and isinstance(x, torch.Tensor):
-        return _jsonable(x.detach().cpu().tolist())
+        x = x.detach().cpu()
+        if not x.is_complex() and (not x.is_floating_point() or bool(torch.isfinite(x).all())):
+            return x.tolist()  # nothing to replace: no walk over every entry
+        return _jsonable(x.tolist())
     if type(x).__module__ == "numpy":  # arrays and numpy scalars (reports as the picture process holds them)
+        np = sys.modules["numpy"]
+        kind = x.dtype.kind if isinstance(x, np.ndarray) else ""
+        if kind and (kind in "biu" or (kind == "f" and bool(np.isfinite(x).all()))):
+            return x.tolist()
         return _jsonable(x.tolist())
     if isinstance(x, float):
         return x if math.isfinite(x) else None

@@ -443,6 +443,8 @@ def strict_jsonable(x: Any) -> Any:
     if isinstance(x, Mapping):
         return {str(k): strict_jsonable(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
+        if all(type(v) is float for v in x):  # a row of numbers (e.g. a report's arrays): no call per entry
+            return [v if math.isfinite(v) else None for v in x]
         return [strict_jsonable(v) for v in x]
     if callable(getattr(x, "to_dict", None)):
         return strict_jsonable(x.to_dict())
