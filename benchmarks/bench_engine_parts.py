@@ -19,7 +19,8 @@ It prints:
    coherency's share;
 4. the time of ``analyze`` on all layers, best of ``--repeats`` runs in one process (warm), and the
    time of ``update`` at L = 1024, N = 150 (three batches of 50, one layer; float64 fields, and float32
-   fields as a capture hands them over; ``--skip-long`` to skip);
+   fields as a capture hands them over; ``--skip-long`` to skip), and of one POD at lag scale 64 of
+   those float32 snapshots (``compute`` does one per dominant scale);
    ``--compare OLD_ROOT --rounds R`` instead times both in fresh processes for OLD_ROOT and this
    tree, alternating R times, and prints the medians;
 5. with ``--digest``: the numbers, for comparing two engines (``--root``) digit for digit: per
@@ -195,6 +196,22 @@ def long_update_seconds(seq_len: int = 1024, n: int = 150, batch: int = 50, dtyp
     return elapsed
 
 
+def long_pod_seconds(scale: float = 64.0, seq_len: int = 1024, n: int = 150, batch: int = 50) -> float:
+    """Seconds of one POD at lag scale ``scale`` (``analysis.analyse_at_scale``, best of 2) of N
+    float32 snapshots of length L: what ``compute`` spends per dominant scale (and per reference
+    scale), most at coarse scales, whose lag window holds the most entries."""
+    import torch
+
+    from podmonitor import PODAccumulator, PODConfig
+    from podmonitor.engine.analysis import analyse_at_scale
+    from podmonitor.synthetic import layered_ensemble
+
+    acc = PODAccumulator(PODConfig(coherency=False))
+    for lo in range(0, n, batch):
+        acc.update(layered_ensemble(1, min(batch, n - lo), seq_len, seed=lo)[0].to(torch.float32))
+    return best_of(2, lambda: analyse_at_scale(acc, scale))
+
+
 def timing_child(args) -> dict:
     """Child of --compare: analyze on all layers (best of --repeats) and the long update, as JSON."""
     import numpy as np
@@ -209,7 +226,7 @@ def timing_child(args) -> dict:
     analyze(layers[0][:8, :32, :32].contiguous())  # start-up
     total = best_of(args.repeats, lambda: [analyze(f) for f in layers])
     return {"analyze_all_s": total, "long_update_s": long_update_seconds(),
-            "long_update_f32_s": long_update_seconds(dtype="float32")}
+            "long_update_f32_s": long_update_seconds(dtype="float32"), "long_pod_s": long_pod_seconds()}
 
 
 def compare(args) -> None:
@@ -229,9 +246,9 @@ def compare(args) -> None:
             runs[root].append(json.loads(out.stdout.strip().splitlines()[-1]))
             print(f"  round {k + 1}, {root}: {runs[root][-1]}", flush=True)
     print(f"\nmedians of {args.rounds} alternating rounds (fresh process each), {args.threads} threads")
-    keys = ("analyze_all_s", "long_update_s", "long_update_f32_s")
+    keys = ("analyze_all_s", "long_update_s", "long_update_f32_s", "long_pod_s")
     print(f"{'tree':<40} {'analyze, all layers (s)':>24} {'update L=1024 N=150 (s)':>24} "
-          f"{'same, float32 fields (s)':>25}")
+          f"{'same, float32 fields (s)':>24} {'POD at a = 64, L = 1024 (s)':>24}")
     med = {}
     for root in roots:
         med[root] = {k: statistics.median(r[k] for r in runs[root]) for k in keys}
@@ -315,6 +332,8 @@ def main() -> int:
     if not args.skip_long:
         print(f"update at L = 1024, N = 150 (three batches of 50, one layer): {long_update_seconds():.3f} s "
               f"(float64 fields), {long_update_seconds(dtype='float32'):.3f} s (float32 fields, as captured)")
+        print(f"one POD at lag scale 64 of those float32 snapshots (analyse_at_scale, best of 2): "
+              f"{long_pod_seconds():.3f} s")
 
     if args.digest:
         digest(layers, args.seq_len)

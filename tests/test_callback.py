@@ -335,12 +335,19 @@ def test_chosen_pictures_are_the_only_ones_logged_and_the_map_is_computed_only_w
         [h["layers"]["layer_00"]["t_spec"] for h in full.history]
 
 
-def test_reference_scale_is_fixed_at_the_first_run_and_its_values_match_analyze(tmp_path):
+def test_reference_scale_is_fixed_at_the_first_run_and_its_values_match_analyze(tmp_path, monkeypatch):
+    from podmonitor.engine import analysis
+
+    extra_pods = []  # a second POD only where the reference scale is not one of the run's dominant scales
+    original = analysis.analyse_at_scale
+    monkeypatch.setattr(analysis, "analyse_at_scale", lambda acc, a: extra_pods.append(a) or original(acc, a))
     monitor = PODMonitor(n_snapshots=16, config=FAST, log_images=False)
     model = TinyGPT()
     logger = TensorBoardLogger(str(tmp_path), name="tb")
     make_trainer(tmp_path, monitor, logger=logger, max_epochs=2).fit(model)
     first, second = read_jsonl(os.path.join(logger.log_dir, "podmonitor", "podmonitor.jsonl"))
+    assert extra_pods == [r["reference"][n]["scale"] for r in (first, second) for n in ("layer_00", "layer_01")
+                          if r["reference"][n]["scale"] not in r["layers"][n]["dominant_scales"]]
     for layer in ("layer_00", "layer_01"):
         a_ref = first["layers"][layer]["dominant_scales"][0]
         assert first["reference"][layer]["scale"] == a_ref == second["reference"][layer]["scale"]

@@ -74,11 +74,18 @@ def _prepared(chunks: Sequence[Tensor], pieces: list[tuple[int, int, int]], cent
               weights: Tensor | None, dtype: torch.dtype) -> Tensor:
     """Concatenate the pieces of one block, restricted to the window width, centred and windowed."""
     width = weights.numel() if weights is not None else chunks[0].shape[1]
-    parts = [chunks[c][r0:r1, :width].to(dtype) for c, r0, r1 in pieces]
-    if len(parts) == 1 and center is not None:  # centre while copying: one pass less
-        y = torch.sub(parts[0], center[:width].to(dtype))
+    first = chunks[pieces[0][0]]
+    if len(pieces) == 1 and center is not None and first.dtype == dtype:  # centre while copying: one pass less
+        c, r0, r1 = pieces[0]
+        y = torch.sub(chunks[c][r0:r1, :width], center[:width].to(dtype))
     else:
-        y = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
+        # every piece copied (and widened) straight into its rows of one block: no temporary per
+        # piece, no concatenation
+        y = torch.empty(sum(r1 - r0 for _, r0, r1 in pieces), width, dtype=dtype, device=first.device)
+        at = 0
+        for c, r0, r1 in pieces:
+            y[at:at + r1 - r0].copy_(chunks[c][r0:r1, :width])
+            at += r1 - r0
         if center is not None:
             y -= center[:width].to(dtype)
     if weights is not None:

@@ -213,3 +213,30 @@ def test_coherency_fft_path_equals_matrix_path(monkeypatch):
     kept = ~torch.isnan(ref)  # the matrix path leaves out positions beyond the wavelet's reach
     torch.testing.assert_close(fft[kept], ref[kept], rtol=1e-9, atol=1e-12)
     assert not bool(torch.isnan(fft).any())
+
+
+def test_a_dominant_scales_pod_is_what_analyse_at_scale_gives_there():
+    """PODMonitor takes a layer's reference-scale values from its report when the reference scale
+    is one of the run's dominant scales: that must be what ``analyse_at_scale`` computes there."""
+    import dataclasses
+
+    from podmonitor.engine.accumulator import PODAccumulator
+    from podmonitor.engine.analysis import analyse_at_scale
+    from podmonitor.synthetic import layered_ensemble
+
+    acc = PODAccumulator(PODConfig(coherency=False))
+    fields = layered_ensemble(2, 40, 96)[1]
+    acc.update(fields[:25])
+    acc.update(fields[25:])
+    report = acc.compute()
+    assert len(report.per_scale) >= 2
+    for own in report.per_scale:
+        again = analyse_at_scale(acc, own.scale)
+        for f in dataclasses.fields(own):
+            a, b = getattr(own, f.name), getattr(again, f.name)
+            if isinstance(a, torch.Tensor):
+                assert torch.equal(a, b), f.name
+            elif isinstance(a, float) and math.isnan(a):
+                assert math.isnan(b), f.name
+            else:
+                assert a == b, f.name
