@@ -28,6 +28,7 @@ from .capture.reduce import HeadsFor, ReducedAttention, Reduction
 from .distributed import all_gather_ints, all_gather_object, global_rank, is_distributed, share_quota, world_size
 from .engine import MemoryBudgetError, PODAccumulator, PODConfig, PODReport
 from .engine.stability import StabilityAccumulator
+from .engine.wavelets import release_scalogram_buffers
 from .extras import (
     ExtraContext,
     ExtraResult,
@@ -739,6 +740,7 @@ class PODMonitor(MonitorCallback):
                 reports[key] = acc.compute()
                 if "/" not in key:
                     self._reference(key, acc, reports[key])
+        release_scalogram_buffers()  # (kept from one layer's scalograms to the next)
         self.last_reports = reports
         self._merge_stability(states, names)
         return reports

@@ -138,3 +138,27 @@ def test_scale_centroid_of_single_scale_energy():
     # equal energy at 2 and 8: geometric mean 4
     assert abs(scale_centroid(torch.tensor([1.0, 0.0, 1.0], dtype=torch.float64), scales) - 4.0) < 1e-12
     assert math.isnan(scale_centroid(torch.zeros(3, dtype=torch.float64), scales))
+
+
+def test_scalograms_from_kept_buffers_equal_those_from_fresh_ones():
+    """scalogram_from_moment keeps its rotated buffers between calls (only the rotation's entries
+    are written, the rest must stay zero): after other moments, of other lengths and dtypes too,
+    a moment gives the bits it gives from freshly zeroed buffers, and the quadratic form's values."""
+    import podmonitor.engine.wavelets as wv
+
+    g = torch.Generator().manual_seed(3)
+    scales = torch.tensor(default_scales()[:12], dtype=torch.float64)
+
+    def moment(seq_len: int) -> torch.Tensor:
+        x = torch.randn(3 * seq_len, seq_len, generator=g, dtype=torch.float64)
+        return x.T @ x
+
+    target = moment(40)
+    wv.release_scalogram_buffers()
+    fresh = wv.scalogram_from_moment(target, scales, OMEGA0, 5.0)
+    for other in (moment(40), 1e6 * moment(40), moment(33), moment(40).float()):
+        wv.scalogram_from_moment(other, scales.to(other.dtype), OMEGA0, 5.0)
+        assert torch.equal(wv.scalogram_from_moment(target, scales, OMEGA0, 5.0), fresh)
+    k = wv.cwt_operators(40, scales, OMEGA0)
+    expected = torch.einsum("stk,kl,stl->st", k, target.to(k.dtype), k.conj()).real / 5.0
+    torch.testing.assert_close(fresh, expected, rtol=1e-10, atol=1e-12 * float(expected.abs().max()))
