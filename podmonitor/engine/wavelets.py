@@ -90,10 +90,9 @@ def _rotated_buffers(m: int, dtype: torch.dtype, device: torch.device) -> tuple[
 
     :func:`scalogram_from_moment` writes only the entries at :func:`_rotation_index` (M), the same
     ones at every call, so the others stay zero and the buffers serve the next call without being
-    zeroed and faulted in again: at L = 1024 that was two fresh 33 MB arrays per scalogram, about
-    40 % of its time. Kept for the last (M, dtype, device): 2 (2L - 3)^2 values (67 MB at
-    L = 1024 in float64) until :func:`release_scalogram_buffers` (``PODMonitor`` calls it after each
-    run's analysis).
+    zeroed and faulted in again (at L = 1024 two fresh 33 MB arrays per scalogram before). Kept
+    for the last (M, dtype, device): 2 (2L - 3)^2 values (67 MB at L = 1024 in float64) until
+    :func:`release_scalogram_buffers` (``PODMonitor`` calls it after each run's analysis).
     """
     n = (2 * m - 1) * (2 * m - 1)
     return torch.zeros(n, dtype=dtype, device=device), torch.zeros(n, dtype=dtype, device=device)

@@ -147,6 +147,15 @@ def _message(ax: Axes, lines: Sequence[str]) -> None:
             fontsize=13, color="firebrick", wrap=True)
 
 
+def _message_figure(figsize: tuple[float, float], title: str | None, what: str,
+                    margins: tuple[float, float, float, float], lines: Sequence[str]) -> Figure:
+    """A fresh figure whose one axes (``margins`` in inches) says ``lines`` instead of data."""
+    fig = _new_figure(figsize)
+    _title(fig, title, what)
+    _message(fig.add_axes(_rect(fig, *margins)), lines)
+    return fig
+
+
 def _note(ax: Axes, lines: Sequence[str]) -> None:
     """A boxed note at the bottom of ``ax`` over the data (for flagged but drawable reports)."""
     if not lines:
@@ -326,11 +335,8 @@ def scale_organisation_figure(reports: Sequence[PODReport], layer_names: Sequenc
     left = 0.75 + 0.075 * max([len(n) for n in names] + [4])
     grid = _scale_union(reports)
     if not reports or grid.size == 0:
-        fig = _new_figure(figsize)
-        _title(fig, title, what)
-        ax = fig.add_axes(_rect(fig, left, 1.0, 1.25, 0.45))
-        _message(ax, ["no report to draw" if not reports else "no report has a scale grid (sequences too short?)"])
-        return fig
+        return _message_figure(figsize, title, what, (left, 1.0, 1.25, 0.45), [
+            "no report to draw" if not reports else "no report has a scale grid (sequences too short?)"])
     fig, (ax, cax) = layouts.layout("scale_organisation", figsize, [(left, 1.0, 1.25, 0.45), (6.95, 1.0, 0.9, 0.45)])
     _title(fig, title, what)
 
@@ -539,11 +545,8 @@ def coherency_figure(report: PODReport, *, title: str | None = None) -> Figure |
         # METHOD.md section 6: a causal query sees keys j <= i only; above the diagonal gamma is undefined
         gamma[np.triu_indices(gamma.shape[0], 1)] = np.nan
     if gamma.ndim != 2 or gamma.size == 0 or not np.isfinite(gamma).any():
-        fig = _new_figure((5.6, 4.8))
-        _title(fig, title, what)
-        ax = fig.add_axes(_rect(fig, 0.65, 0.55, 1.1, 0.45))
-        _message(ax, [f"no finite coherency value (shape {tuple(gamma.shape)})"] + _status_lines(report))
-        return fig
+        return _message_figure((5.6, 4.8), title, what, (0.65, 0.55, 1.1, 0.45),
+                               [f"no finite coherency value (shape {tuple(gamma.shape)})"] + _status_lines(report))
     fig, (ax, cax) = layouts.layout("coherency", (5.6, 4.8), [(0.65, 0.55, 1.1, 0.45), (4.65, 0.55, 0.8, 0.45)])
     _title(fig, title, what)
     # one colour scale for every layer and step: gamma lies in [0, 1]
@@ -571,10 +574,7 @@ def trend_heatmap_figure(title: str, steps: Sequence[int], layer_names: Sequence
     vals = np.asarray(values, dtype=float)
     what = f"{title}: layers x validation steps"
     if vals.ndim != 2 or vals.size == 0 or not np.isfinite(vals).any():
-        fig = _new_figure((9.0, 4.5))
-        _title(fig, None, what)
-        _message(fig.add_axes(_rect(fig, 1.6, 0.8, 1.4, 0.7)), ["no finite value yet"])
-        return fig
+        return _message_figure((9.0, 4.5), None, what, (1.6, 0.8, 1.4, 0.7), ["no finite value yet"])
     fig, (ax, cax) = layouts.layout("trend", (9.0, 4.5), [(1.6, 0.8, 1.4, 0.7), (7.8, 0.8, 0.9, 0.7)])
     _title(fig, None, what)
     img = ax.imshow(np.ma.masked_invalid(vals), aspect="auto", cmap="viridis", interpolation="nearest")

@@ -1,10 +1,10 @@
 """Figure layouts: built fresh, or kept from the last figure of the same kind and refilled.
 
-Building a matplotlib figure (its axes, every axis' tick objects, a colour bar) costs about as
-much as drawing it (cProfile of a picture run: axes and tick creation near half of the time). A
-picture run draws the same few kinds of figure for every layer, and the picture process draws a
-run at every picture run of a fit, so :func:`~podmonitor.reporting.figures.draw_run_pictures`
-draws inside :func:`reusing`:
+Building a matplotlib figure (its axes, every axis' tick objects, a colour bar) is a large part of
+what a picture costs, besides drawing it (``benchmarks/bench_pictures.py --compare`` times a
+picture run with and without this module's reuse). A picture run draws the same few kinds of
+figure for every layer, and the picture process draws a run at every picture run of a fit, so
+:func:`~podmonitor.reporting.figures.draw_run_pictures` draws inside :func:`reusing`:
 
 - a figure function asks :func:`layout` for its figure and axes; the first time they are built,
   later it gets the axes of the last figure of that kind and size with their data removed (lines,
